@@ -1,0 +1,40 @@
+"""Helpers shared by the actors that run a ``transformers`` model (trainer, reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from algos.grpo import token_logprobs
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Raise a clear ``ValueError`` unless ``path`` is a Hugging Face causal-LM directory."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"model.path {str(path)!r} does not exist or is not a directory")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model.path {str(path)!r} has no config.json; expected a Hugging Face model directory")
+    if not any((p / f).is_file() for f in WEIGHT_FILES):
+        raise ValueError(
+            f"model.path {str(path)!r} has no safetensors weights ({' or '.join(WEIGHT_FILES)}); "
+            "expected a Hugging Face model directory saved with safe_serialization"
+        )
+    if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
+        raise ValueError(f"model.path {str(path)!r} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    return p
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), dtype=dtype)
+
+
+def sequence_token_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token log-probabilities of ``batch["input_ids"]`` under ``model`` (see ``token_logprobs``)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return token_logprobs(logits, batch["input_ids"])

@@ -1,0 +1,110 @@
+"""Policy actor: a vLLM engine that samples rollouts and takes weight updates in place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ray
+
+from weightsync.store import WeightStore
+
+EXTENSION = "weightsync.vllm_extension.WeightSyncExtension"
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token, under the policy that sampled it
+    text: str
+    finished: bool  # stopped on EOS (not on the length limit)
+
+
+@ray.remote(num_cpus=0)
+class Policy:
+    def __init__(
+        self,
+        model_path: str,
+        redis_url: str,
+        run: str,
+        replica: str = "policy-0",
+        tp: int = 1,
+        dtype: str = "float32",
+        max_model_len: int = 64,
+        kv_cache_mib: int = 256,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        omp_threads_bind: str | None = None,
+    ) -> None:
+        if omp_threads_bind:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            tensor_parallel_size=tp,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_mib * 2**20,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            worker_extension_cls=EXTENSION,
+        )
+        self.redis_url = redis_url
+        self.run = run
+        self.replica = replica
+        self.version = 0
+
+    def generate(
+        self, prompts: list[str], n: int, temperature: float = 1.0, max_tokens: int = 8, seed: int | None = None
+    ) -> tuple[list[list[Sample]], int]:
+        """``n`` samples per prompt and the policy version that produced them.
+
+        Log-probabilities are those of the sampling distribution: with ``temperature=1`` and no
+        top-k/top-p they are the model's own, which the trainer recomputes.
+        """
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        result = []
+        for out in outputs:
+            samples = []
+            for c in out.outputs:
+                lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
+                samples.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason == "stop"))
+            result.append(samples)
+        return result, self.version
+
+    def greedy(self, prompts: list[str], max_tokens: int = 8) -> list[tuple[str, bool]]:
+        """Greedy completion text of each prompt, and whether it ended on EOS."""
+        from vllm import SamplingParams
+
+        outputs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        return [(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in outputs]
+
+    def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float | None]]:
+        """Log-probability of each given token under the live weights (None for the first)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], params, use_tqdm=False)
+        return [
+            [None if step is None else step[tok].logprob for tok, step in zip(ids, o.prompt_logprobs)]
+            for ids, o in zip(token_ids, outputs)
+        ]
+
+    def update_weights(self, version: int) -> dict:
+        """Load ``version`` from the store into every worker, in place; pin it for this replica."""
+        stats = self.llm.collective_rpc("update_weights_from_store", args=(self.redis_url, self.run, version))
+        self.llm.reset_prefix_cache()
+        store = WeightStore(self.redis_url, self.run)
+        try:
+            store.lease(version, self.replica)
+        finally:
+            store.close()
+        self.version = version
+        return {
+            "update_s": max(s["update_s"] for s in stats),
+            "bytes_read_per_worker": [s["bytes_read"] for s in stats],
+        }

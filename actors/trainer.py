@@ -1,0 +1,98 @@
+"""Trainer actor: the policy's ``transformers`` model in fp32 with AdamW; pushes weights to the store."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import ray
+import torch
+
+from actors.modeling import load_causal_lm, sequence_token_logprobs
+from algos.episodes import Episode, collate
+from algos.grpo import grpo_loss, masked_mean
+from weightsync.push import WeightPusher
+from weightsync.store import WeightStore
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    def __init__(
+        self,
+        model_path: str,
+        redis_url: str,
+        run: str,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+        clip_eps: float = 0.2,
+        kl_coef: float = 0.0,
+        seed: int = 0,
+        torch_threads: int = 1,
+        shm_root: str = "/dev/shm",
+        sync_dtype: str = "float32",
+        keep_last: int = 2,
+    ) -> None:
+        torch.set_num_threads(torch_threads)
+        torch.manual_seed(seed)
+        self.model_path = model_path
+        self.model = load_causal_lm(model_path)
+        self.model.train()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+        self.clip_eps = clip_eps
+        self.kl_coef = kl_coef
+        self.pusher = WeightPusher(WeightStore(redis_url, run), shm_root, sync_dtype, keep_last)
+
+    def train_step(self, episodes: list[Episode]) -> dict[str, float]:
+        """One optimizer step on ``episodes``. Also reports how far the rollout logprobs (from the
+        policy) are from this model's logprobs of the same tokens, before the update."""
+        batch = collate(episodes, self.pad_id)
+        mask = batch["completion_mask"]
+        logprobs = sequence_token_logprobs(self.model, batch)
+        loss, metrics = grpo_loss(
+            logprobs,
+            batch["rollout_logprobs"],
+            batch["advantages"],
+            mask,
+            clip_eps=self.clip_eps,
+            kl_coef=self.kl_coef,
+            ref_logprobs=batch.get("ref_logprobs"),
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        with torch.no_grad():
+            diff = (logprobs.detach() - batch["rollout_logprobs"]).abs()
+            metrics["logprob_diff_mean"] = masked_mean(diff, mask).item()
+            metrics["logprob_diff_max"] = (diff * mask).max().item()
+        metrics["grad_norm"] = grad_norm.item()
+        metrics["train_tokens"] = int(mask.sum().item())
+        return metrics
+
+    def push_weights(self, version: int) -> dict:
+        """Write the current weights as ``version`` into the store and commit it."""
+        return self.pusher.push(self.model.state_dict(), version)
+
+    def save_hf(self, out_dir: str) -> str:
+        """Save the model and the tokenizer files as a Hugging Face directory, atomically."""
+        out = Path(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            for name in os.listdir(self.model_path):
+                if name.startswith(("tokenizer", "special_tokens")):
+                    shutil.copy(Path(self.model_path) / name, tmp / name)
+            if out.exists():
+                shutil.rmtree(out)
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(out)
+
+    def close(self) -> None:
+        self.pusher.remove_all()

@@ -1,0 +1,129 @@
+"""Push a trainer's weights into the store: DCP safetensors shards in shared memory + a Redis index.
+
+Every trainer rank writes only its own shard with PyTorch's DCP and its Hugging Face safetensors
+storage writer (``save_distributed=True``), into ``{shm_root}/ws-{run}/v{version}/``. The rank
+then reads its own file's safetensors header (``DCP_SHARDING_INFO`` gives each chunk's offsets in
+the global tensor) and records its chunks in the store; rank 0 commits the version once all ranks
+have done so. A failed push removes its files and parts, so nothing half-written remains.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+from weightsync.store import Chunk, TensorEntry, WeightStore
+
+DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"  # the safetensors header key DCP's HF writer fills
+SAVED_OFFSETS_KEY = "saved_offsets"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def version_dir(shm_root: str | Path, run: str, version: int) -> Path:
+    return Path(shm_root) / f"ws-{run}" / f"v{version}"
+
+
+def _without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop keys whose tensor is another key's tensor (tied embeddings): stored once."""
+    seen: set[int] = set()
+    out = {}
+    for fqn, t in state_dict.items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        key = local.untyped_storage().data_ptr() if local.numel() else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[fqn] = t
+    return out
+
+
+def _entries_from_shard(file: Path, global_shapes: dict[str, list[int]]) -> dict[str, TensorEntry]:
+    """This rank's chunks, read back from the safetensors header DCP wrote."""
+    entries = {}
+    with safe_open(str(file), framework="pt") as f:
+        sharding = json.loads((f.metadata() or {}).get(DCP_SHARDING_INFO_KEY, "{}"))
+        for fqn in f.keys():
+            sl = f.get_slice(fqn)
+            sizes = list(sl.get_shape())
+            offsets = list(sharding.get(fqn, {}).get(SAVED_OFFSETS_KEY, [0] * len(sizes)))
+            entries[fqn] = TensorEntry(
+                dtype=SAFETENSORS_DTYPES[sl.get_dtype()],
+                shape=global_shapes[fqn],
+                chunks=[Chunk(offsets, sizes, {"kind": "shm", "file": str(file)})],
+            )
+    return entries
+
+
+class WeightPusher:
+    """Writes versions of one trainer rank's state dict and (on rank 0) commits and retires them."""
+
+    def __init__(
+        self,
+        store: WeightStore,
+        shm_root: str | Path = "/dev/shm",
+        dtype: str = "float32",
+        keep_last: int = 2,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"weight sync dtype {dtype!r} is not supported; allowed: {sorted(DTYPES)}")
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be >= 1")
+        self.store = store
+        self.shm_root = Path(shm_root)
+        self.dtype = DTYPES[dtype]
+        self.keep_last = keep_last
+
+    def push(self, state_dict: dict[str, torch.Tensor], version: int) -> dict:
+        """Write and commit ``version``; returns timing and byte counts."""
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if distributed else 0
+        world = dist.get_world_size() if distributed else 1
+        out_dir = version_dir(self.shm_root, self.store.run, version)
+        start = time.perf_counter()
+        try:
+            cast = {k: v.detach().to(self.dtype) for k, v in _without_aliases(state_dict).items()}
+            metadata = dcp.save(
+                cast,
+                storage_writer=HuggingFaceStorageWriter(path=str(out_dir), save_distributed=True),
+                no_dist=not distributed,
+            )
+            shapes = {fqn: list(md.size) for fqn, md in metadata.state_dict_metadata.items()}
+            mine = sorted(out_dir.glob(f"shard-{rank + 1:05d}-*.safetensors"))
+            entries: dict[str, TensorEntry] = {}
+            for file in mine:
+                entries.update(_entries_from_shard(file, shapes))
+            self.store.put_part(version, rank, entries)
+            if distributed:
+                dist.barrier()
+            if rank == 0:
+                self.store.commit(version, world)
+        except BaseException:
+            if rank == 0:
+                self.store.abort(version, world)
+            shutil.rmtree(out_dir, ignore_errors=True)
+            raise
+        written = sum(f.stat().st_size for f in mine)
+        dropped = self.retire() if rank == 0 else []
+        return {"push_s": time.perf_counter() - start, "bytes_written": written, "dropped_versions": dropped}
+
+    def retire(self) -> list[int]:
+        """Drop committed versions beyond ``keep_last`` that no policy replica holds."""
+        dropped = self.store.droppable(self.keep_last)
+        for v in dropped:
+            self.store.drop(v)
+            shutil.rmtree(version_dir(self.shm_root, self.store.run, v), ignore_errors=True)
+        return dropped
+
+    def remove_all(self) -> None:
+        """Remove this run's shared-memory directory (at the end of a run)."""
+        shutil.rmtree(self.shm_root / f"ws-{self.store.run}", ignore_errors=True)

@@ -1,0 +1,91 @@
+"""Start and stop a private ``redis-server`` on a Unix socket, and check a configured Redis URL."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+class RedisUnavailable(RuntimeError):
+    pass
+
+
+def check_redis(url: str, timeout_s: float = 3.0) -> None:
+    """Raise ``RedisUnavailable`` with a clear message when ``url`` does not answer a PING."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        client.ping()
+        client.close()
+    except (redis.RedisError, OSError, ValueError) as e:
+        raise RedisUnavailable(
+            f"redis.url {url!r} is not reachable ({e}). Start a Redis server there, or leave "
+            "redis.url unset (null) so the launcher starts a private one on a Unix socket."
+        ) from e
+
+
+class LocalRedis:
+    """A ``redis-server`` on a Unix socket in a private temporary directory, no TCP port.
+
+    Use as a context manager; ``url`` is ``unix:///.../redis.sock``. Persistence is off: the
+    store only holds control-plane state for the life of one run.
+    """
+
+    def __init__(self, start_timeout_s: float = 10.0) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RedisUnavailable(
+                "redis-server is not installed and no redis.url is configured. Install it "
+                "(Debian: apt-get install redis-server; `make setup` does this) or set redis.url."
+            )
+        self._dir = Path(tempfile.mkdtemp(prefix="rlsys-redis-"))
+        self.socket = self._dir / "redis.sock"
+        self.url = f"unix://{self.socket}"
+        self._proc = subprocess.Popen(
+            [
+                binary,
+                "--port", "0",
+                "--unixsocket", str(self.socket),
+                "--unixsocketperm", "700",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self._dir),
+                "--loglevel", "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                self.stop()
+                raise RedisUnavailable(f"redis-server exited at start (code {self._proc.returncode}): {err}")
+            try:
+                check_redis(self.url, timeout_s=0.5)
+                break
+            except RedisUnavailable:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRedis:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,113 @@
+"""The dedicated update method, mixed into every vLLM worker.
+
+``LLM(..., worker_extension_cls="weightsync.vllm_extension.WeightSyncExtension")`` adds these
+methods to each tensor-parallel worker, where ``self.model_runner.model`` is the live model;
+``llm.collective_rpc("update_weights_from_store", args=(...))`` runs them on all workers.
+
+Repacked weights: after loading, a layer's ``quant_method.process_weights_after_loading`` may
+turn the dense weight into a backend-specific form. On CPU, vLLM packs every linear weight for
+oneDNN / its GEMM kernels and frees the dense parameter (an empty tensor remains), so a copy into
+``param.data`` would change nothing. The update therefore keeps one dense buffer per such layer
+(allocated at the first update, reused after), copies the new slices into it, and runs the
+layer's own ``process_weights_after_loading`` again so that vLLM rebuilds its packed form. Where
+nothing is repacked (unquantized layers on GPU) the copy lands in the live parameter directly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from weightsync.layout import TIED_ALIASES, pieces_for
+from weightsync.reader import ShardFiles, read_box
+from weightsync.store import TensorEntry, WeightStore
+
+
+def _dense_shape(layer: torch.nn.Module) -> tuple[int, int]:
+    """The shape vLLM created a linear layer's weight with (its local TP partition)."""
+    rows = sum(layer.output_partition_sizes)
+    cols = getattr(layer, "input_size_per_partition", None) or layer.input_size
+    return rows, cols
+
+
+class WeightSyncExtension:
+    _dense: dict[str, torch.Tensor]
+
+    def _live_parameters(self) -> list[tuple[str, torch.Tensor, torch.nn.Module, list[torch.nn.Module]]]:
+        """(name, tensor to write, owning layer, every layer sharing it) for each parameter.
+
+        Weights that vLLM freed after repacking are restored from this worker's dense buffers.
+        Tied parameters (a tied LM head shares the embedding's) are listed once, with all their
+        layers, since each layer may hold its own packed copy.
+        """
+        from vllm.model_executor.layers.linear import LinearBase
+
+        if not hasattr(self, "_dense"):
+            self._dense = {}
+        model = self.model_runner.model
+        modules = dict(model.named_modules())
+        sharers: dict[int, list[torch.nn.Module]] = {}
+        for module in modules.values():
+            for p in module.parameters(recurse=False):
+                sharers.setdefault(id(p), []).append(module)
+        out = []
+        for name, param in model.named_parameters():
+            layer_name, _, leaf = name.rpartition(".")
+            layer = modules[layer_name]
+            owners = sharers[id(param)]
+            if isinstance(layer, LinearBase) and leaf == "weight" and (param.numel() == 0 or name in self._dense):
+                if name not in self._dense:
+                    self._dense[name] = torch.empty(_dense_shape(layer), dtype=layer.params_dtype)
+                param = self._dense[name]
+                layer.weight = torch.nn.Parameter(param, requires_grad=False)
+            out.append((name, param, layer, owners))
+        return out
+
+    def update_weights_from_store(self, redis_url: str, run: str, version: int) -> dict:
+        """Copy ``version``'s weights into this worker's parameters, slice by slice."""
+        start = time.perf_counter()
+        store = WeightStore(redis_url, run)
+        try:
+            index = store.index(version)
+        finally:
+            store.close()
+        files = ShardFiles()
+        nbytes = 0
+        repack = []
+        on_cpu = _is_cpu()
+        try:
+            with torch.no_grad():
+                for name, param, layer, owners in self._live_parameters():
+                    for piece in pieces_for(name, param, layer):
+                        entry = _entry_for(index, piece.hf_name, name, version)
+                        dst = param[tuple(slice(lo, hi) for lo, hi in piece.dst)]
+                        nbytes += read_box(entry[0], entry[1], piece.src, dst, files)
+                    if on_cpu or name in self._dense:
+                        repack.extend(owners)
+        finally:
+            files.close()
+        seen: set[int] = set()
+        for layer in repack:
+            method = getattr(layer, "quant_method", None)
+            if id(layer) not in seen and method is not None:
+                seen.add(id(layer))
+                method.process_weights_after_loading(layer)
+        return {"bytes_read": nbytes, "update_s": time.perf_counter() - start}
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _entry_for(index: dict[str, TensorEntry], hf_name: str, param_name: str, version: int) -> tuple[str, TensorEntry]:
+    if hf_name not in index and TIED_ALIASES.get(hf_name) in index:
+        hf_name = TIED_ALIASES[hf_name]
+    if hf_name not in index:
+        raise KeyError(
+            f"vLLM parameter {param_name!r} needs {hf_name!r}, which weight version {version} does "
+            "not hold; is the trainer's model the policy's model?"
+        )
+    return hf_name, index[hf_name]
