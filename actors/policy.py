@@ -65,7 +65,18 @@ class Policy:
         """
         from vllm import SamplingParams
 
-        params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed)
+        # vLLM seeds a prompt's n samples seed, seed+1, ...: give each prompt its own range so that
+        # different prompts do not share random streams.
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                logprobs=0,
+                seed=None if seed is None else seed + i * n,
+            )
+            for i in range(len(prompts))
+        ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         result = []
         for out in outputs:

@@ -24,7 +24,8 @@ class Trainer:
         model_path: str,
         redis_url: str,
         run: str,
-        lr: float = 1e-3,
+        lr: float = 1e-4,
+        warmup_steps: int = 0,
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
         clip_eps: float = 0.2,
@@ -42,6 +43,11 @@ class Trainer:
         self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        # Linear warm-up: Adam's first steps move every weight by about lr whatever the gradient's
+        # size, which on a noisy RL gradient can undo the warm start before the moments settle.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1))
+        )
         self.max_grad_norm = max_grad_norm
         self.clip_eps = clip_eps
         self.kl_coef = kl_coef
@@ -66,11 +72,13 @@ class Trainer:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
+        self.scheduler.step()
         with torch.no_grad():
             diff = (logprobs.detach() - batch["rollout_logprobs"]).abs()
             metrics["logprob_diff_mean"] = masked_mean(diff, mask).item()
             metrics["logprob_diff_max"] = (diff * mask).max().item()
         metrics["grad_norm"] = grad_norm.item()
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["train_tokens"] = int(mask.sum().item())
         return metrics
 

@@ -51,7 +51,7 @@ def reward(problem: Problem, completion: str, finished: bool, format_reward: flo
 
 
 def _is_integer(text: str) -> bool:
-    digits = text[1:] if text.startswith("-") else text
+    digits = text.removeprefix("-")
     return digits.isdigit() and (digits == "0" or not digits.startswith("0"))
 
 

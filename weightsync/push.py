@@ -52,7 +52,7 @@ def _entries_from_shard(file: Path, global_shapes: dict[str, list[int]]) -> dict
     entries = {}
     with safe_open(str(file), framework="pt") as f:
         sharding = json.loads((f.metadata() or {}).get(DCP_SHARDING_INFO_KEY, "{}"))
-        for fqn in f.keys():
+        for fqn in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
             sl = f.get_slice(fqn)
             sizes = list(sl.get_shape())
             offsets = list(sharding.get(fqn, {}).get(SAVED_OFFSETS_KEY, [0] * len(sizes)))

@@ -47,9 +47,7 @@ def _overlap(box: Box, chunk: Chunk) -> Box | None:
     return tuple(out)
 
 
-def read_box(
-    fqn: str, entry: TensorEntry, box: Box, dst: torch.Tensor, files: ShardFiles
-) -> int:
+def read_box(fqn: str, entry: TensorEntry, box: Box, dst: torch.Tensor, files: ShardFiles) -> int:
     """Copy ``box`` of the stored global tensor ``fqn`` into ``dst`` (shaped like the box).
 
     Returns the number of bytes read. Raises if the stored chunks do not cover the box.

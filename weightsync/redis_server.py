@@ -7,6 +7,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 import redis
 
@@ -48,13 +49,20 @@ class LocalRedis:
         self._proc = subprocess.Popen(
             [
                 binary,
-                "--port", "0",
-                "--unixsocket", str(self.socket),
-                "--unixsocketperm", "700",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self._dir),
-                "--loglevel", "warning",
+                "--port",
+                "0",
+                "--unixsocket",
+                str(self.socket),
+                "--unixsocketperm",
+                "700",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self._dir),
+                "--loglevel",
+                "warning",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -84,7 +92,7 @@ class LocalRedis:
                 self._proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> LocalRedis:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

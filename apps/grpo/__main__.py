@@ -1,0 +1,119 @@
+"""``python -m apps.grpo [key=value ...]``: a GRPO run with Hydra configs from ``configs/``.
+
+Set-up order matters: every check on user input (config values, model.path, redis.url, the
+output folder) runs before anything is written or started, so bad input leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import hydra
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from apps.grpo.config import ConfigError, register, validate
+
+register()
+log = logging.getLogger("apps.grpo")
+
+
+def resolve_model_path(cfg) -> str:
+    from actors.modeling import check_model_dir
+    from tinymodel.build import TinyModelRecipe, ensure_tiny_model
+
+    if cfg.model.path is None:
+        # The warm start must only see this run's train split: the recipe takes the task's
+        # settings and seed, so a different task config builds (and caches) its own model.
+        recipe = TinyModelRecipe(
+            task_low=cfg.task.low,
+            task_high=cfg.task.high,
+            task_ops=tuple(cfg.task.ops),
+            task_eval_size=cfg.task.eval_size,
+            seed=cfg.seed,
+        )
+        return str(ensure_tiny_model(recipe, cfg.model.tiny_cache_dir))
+    try:
+        return str(check_model_dir(cfg.model.path))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def prepare_output_dir(cfg) -> Path:
+    out = Path(cfg.output_dir) / cfg.run_name
+    if out.exists() and not cfg.overwrite:
+        raise ConfigError(
+            f"output folder {out} already exists; choose another run_name=..., or pass overwrite=true to replace it"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run(cfg, console: Console) -> dict:
+    import ray
+    import torch
+    from transformers import AutoTokenizer
+
+    from apps.grpo.loop import run_grpo, start_actors
+    from tasks.arithmetic import ArithmeticTask
+    from weightsync.redis_server import LocalRedis, check_redis
+
+    validate(cfg)
+    try:
+        task = ArithmeticTask(cfg.task.low, cfg.task.high, cfg.task.ops, cfg.task.eval_size, cfg.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    model_path = resolve_model_path(cfg)
+    use_cuda = torch.cuda.is_available()
+    policy_dtype = cfg.policy.dtype if cfg.policy.dtype != "auto" else ("bfloat16" if use_cuda else "float32")
+
+    with ExitStack() as stack:
+        if cfg.redis.url:
+            check_redis(cfg.redis.url)
+            redis_url = cfg.redis.url
+        else:
+            redis_url = stack.enter_context(LocalRedis()).url
+        out_dir = prepare_output_dir(cfg)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved["model"]["path"] = model_path
+        resolved["policy"]["dtype"] = policy_dtype
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        console.print(f"run {cfg.run_name}: model {model_path}, outputs in {out_dir}")
+
+        ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=cfg.ray.log_to_driver)
+        stack.callback(ray.shutdown)
+        stack.callback(shutil.rmtree, Path(cfg.weightsync.shm_root) / f"ws-{cfg.run_name}", ignore_errors=True)
+        console.print("starting actors (the vLLM engine takes a minute on CPU)...")
+        actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        result = run_grpo(cfg, actors, task, tokenizer, out_dir, console)
+        hf_dir = ray.get(actors.trainer.save_hf.remote(str((out_dir / "hf").resolve())))
+        result["hf_dir"] = hf_dir
+    return result
+
+
+@hydra.main(config_path="../../configs", config_name="grpo", version_base=None)
+def main(cfg) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    console = Console(soft_wrap=True)
+    from weightsync.redis_server import RedisUnavailable
+
+    try:
+        result = run(cfg, console)
+    except (ConfigError, RedisUnavailable) as e:
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
+        sys.exit(2)
+    gain = result["eval_accuracy_final"] - result["eval_accuracy_start"]
+    console.print(
+        f"eval accuracy: {result['eval_accuracy_start']:.3f} at step 0 -> {result['eval_accuracy_final']:.3f} "
+        f"after {cfg.steps} steps ({gain * 100:+.1f} points)"
+    )
+    console.print(f"final model: {result['hf_dir']}")
+
+
+if __name__ == "__main__":
+    main()

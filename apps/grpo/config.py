@@ -1,0 +1,134 @@
+"""The GRPO run's config schema (Hydra structured config) and its value checks.
+
+The schema gives every knob its name and type; the values and their explanations live in one
+place, the YAML under ``configs/`` (a top config plus groups), which Hydra merges onto this
+schema. A misspelt key anywhere (YAML or command line) is an error that names the key, and a value
+of the wrong type is an error that names the key and the type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+POLICY_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = MISSING
+    tiny_cache_dir: str | None = MISSING
+
+
+@dataclass
+class PolicyConfig:
+    tp: int = MISSING
+    dtype: str = MISSING
+    max_model_len: int = MISSING
+    kv_cache_mib: int = MISSING
+    enforce_eager: bool = MISSING
+    temperature: float = MISSING
+    max_tokens: int = MISSING
+    omp_threads_bind: str | None = MISSING
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = MISSING
+    warmup_steps: int = MISSING
+    weight_decay: float = MISSING
+    max_grad_norm: float = MISSING
+    torch_threads: int = MISSING
+
+
+@dataclass
+class AlgoConfig:
+    group_size: int = MISSING
+    clip_eps: float = MISSING
+    kl_coef: float = MISSING
+    max_staleness: int = MISSING
+
+
+@dataclass
+class TaskConfig:
+    low: int = MISSING
+    high: int = MISSING
+    ops: list[str] = MISSING
+    eval_size: int = MISSING
+    format_reward: float = MISSING
+
+
+@dataclass
+class RedisConfig:
+    url: str | None = MISSING
+
+
+@dataclass
+class RayConfig:
+    address: str | None = MISSING
+    log_to_driver: bool = MISSING
+
+
+@dataclass
+class WeightSyncConfig:
+    shm_root: str = MISSING
+    keep_last: int = MISSING
+
+
+@dataclass
+class GRPOConfig:
+    run_name: str = MISSING
+    output_dir: str = MISSING
+    overwrite: bool = MISSING
+    steps: int = MISSING
+    prompts_per_step: int = MISSING
+    eval_every: int = MISSING
+    seed: int = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def validate(cfg) -> None:
+    """Check values that the types alone do not; the message names the key and what is allowed."""
+    checks = [
+        (cfg.steps >= 1, "steps", "an integer >= 1"),
+        (cfg.prompts_per_step >= 1, "prompts_per_step", "an integer >= 1"),
+        (cfg.eval_every >= 0, "eval_every", "an integer >= 0 (0: only before and after training)"),
+        (cfg.policy.tp >= 1, "policy.tp", "an integer >= 1"),
+        (cfg.policy.dtype in POLICY_DTYPES, "policy.dtype", f"one of {list(POLICY_DTYPES)}"),
+        (cfg.policy.temperature > 0, "policy.temperature", "a number > 0"),
+        (cfg.policy.max_tokens >= 1, "policy.max_tokens", "an integer >= 1"),
+        (cfg.policy.kv_cache_mib >= 1, "policy.kv_cache_mib", "an integer >= 1"),
+        (cfg.trainer.lr > 0, "trainer.lr", "a number > 0"),
+        (cfg.trainer.warmup_steps >= 0, "trainer.warmup_steps", "an integer >= 0"),
+        (cfg.trainer.max_grad_norm > 0, "trainer.max_grad_norm", "a number > 0"),
+        (cfg.trainer.torch_threads >= 1, "trainer.torch_threads", "an integer >= 1"),
+        (cfg.algo.group_size >= 2, "algo.group_size", "an integer >= 2 (GRPO compares samples within a group)"),
+        (cfg.algo.clip_eps > 0, "algo.clip_eps", "a number > 0"),
+        (cfg.algo.kl_coef >= 0, "algo.kl_coef", "a number >= 0"),
+        (cfg.algo.max_staleness >= 0, "algo.max_staleness", "an integer >= 0"),
+        (cfg.weightsync.keep_last >= 1, "weightsync.keep_last", "an integer >= 1"),
+        (bool(str(cfg.run_name).strip()) and "/" not in str(cfg.run_name), "run_name", "a non-empty name without '/'"),
+    ]
+    for ok, key, allowed in checks:
+        if not ok:
+            value = cfg
+            for part in key.split("."):
+                value = value[part]
+            raise ConfigError(f"config key {key}={value!r} is invalid: expected {allowed}")

@@ -1,0 +1,40 @@
+"""Shared fixtures: one Redis, one Ray instance, one tiny model and one vLLM engine per session."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    from weightsync.redis_server import LocalRedis
+
+    with LocalRedis() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path():
+    """The embedded default model, built once (about a minute) and cached by its recipe."""
+    from tinymodel.build import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def policy(ray_session, redis_url, tiny_model_path):
+    """One vLLM policy actor (TP=1, float32) for the whole session; run name 'test-sync'."""
+    from actors.policy import Policy
+
+    actor = Policy.remote(tiny_model_path, redis_url, "test-sync", replica="test-policy")
+    ray_session.get(actor.__ray_ready__.remote())
+    return actor

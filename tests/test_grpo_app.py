@@ -1,0 +1,158 @@
+"""The `python -m apps.grpo` entry point: config errors, bad input, and a short real GRPO run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from apps.grpo.config import ConfigError, register, validate
+
+REPO = Path(__file__).resolve().parent.parent
+REQUIRED = {
+    "step",
+    "reward_mean",
+    "loss",
+    "kl",
+    "policy_version",
+    "logprob_diff_mean",
+    "weight_sync_s",
+    "step_s",
+    "gen_tokens_per_s",
+}
+
+
+def _compose(*overrides):
+    register()
+    with initialize_config_dir(str(REPO / "configs"), version_base=None):
+        return compose("grpo", overrides=list(overrides))
+
+
+def _run_app(*overrides, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "apps.grpo", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+
+
+def test_default_config_composes_and_validates():
+    cfg = _compose()
+    validate(cfg)
+    assert cfg.policy.tp == 1 and cfg.model.path is None and cfg.algo.group_size >= 2
+
+
+def test_unknown_key_names_the_key():
+    with pytest.raises(ConfigCompositionException, match="stepz"):
+        _compose("stepz=3")
+    with pytest.raises(ConfigCompositionException, match="tpp"):
+        _compose("policy.tpp=2")
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises((ConfigCompositionException, ValidationError), match="steps"):
+        _compose("steps=abc")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("policy.dtype=bf17", "policy.dtype"),
+        ("steps=0", "steps"),
+        ("algo.group_size=1", "algo.group_size"),
+        ("algo.kl_coef=-1", "algo.kl_coef"),
+        ("run_name=a/b", "run_name"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_allowed(override, key):
+    with pytest.raises(ConfigError, match=f"{key}=.*expected"):
+        validate(_compose(override))
+
+
+def test_cli_unknown_key_fails_naming_it(tmp_path):
+    proc = _run_app("stepz=3", f"output_dir={tmp_path}")
+    assert proc.returncode != 0
+    assert "stepz" in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["missing", "not_hf"])
+def test_bad_model_path_is_a_clear_error_and_writes_nothing(tmp_path, kind):
+    path = tmp_path / "nope" if kind == "missing" else tmp_path / "empty"
+    if kind == "not_hf":
+        path.mkdir()
+        (path / "weights.bin").write_bytes(b"x")
+    out = tmp_path / "outputs"
+    proc = _run_app(f"model.path={path}", f"output_dir={out}", "run_name=r")
+    assert proc.returncode == 2, proc.stderr
+    assert f"model.path {str(path)!r}" in proc.stderr
+    assert ("does not exist" if kind == "missing" else "no config.json") in proc.stderr
+    assert not out.exists()
+
+
+def test_unreachable_redis_is_a_clear_error_and_writes_nothing(tmp_path, tiny_model_path):
+    out = tmp_path / "outputs"
+    proc = _run_app("redis.url=redis://127.0.0.1:1", f"output_dir={out}", "run_name=r")
+    assert proc.returncode == 2, proc.stderr
+    assert "redis.url 'redis://127.0.0.1:1' is not reachable" in proc.stderr
+    assert not out.exists()
+
+
+def test_existing_output_folder_is_not_overwritten(tmp_path, tiny_model_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text("keep\n")
+    proc = _run_app(f"output_dir={tmp_path}", "run_name=r")
+    assert proc.returncode == 2 and "overwrite=true" in proc.stderr
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == "keep\n"
+
+
+@pytest.mark.slow
+def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
+    """Three real steps (vLLM, Ray, Redis, DCP push, in-place update) with the KL term on."""
+    shm = tmp_path / "shm"
+    proc = _run_app(
+        "steps=3",
+        "eval_every=2",
+        "prompts_per_step=8",
+        "algo.group_size=4",
+        "algo.kl_coef=0.05",
+        "trainer.lr=1e-3",
+        f"output_dir={tmp_path}",
+        "run_name=short",
+        f"weightsync.shm_root={shm}",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "short"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps, final = rows[:-1], rows[-1]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    for r in steps:
+        assert set(r) >= REQUIRED, REQUIRED - set(r)
+        assert r["logprob_diff_mean"] < 1e-3  # the policy serves exactly the trainer's weights
+        assert r["policy_version"] == r["step"]  # each step's rollouts come from the previous update
+        assert 0.0 <= r["reward_mean"] <= 1.0
+    assert "eval_accuracy" in steps[0] and "eval_accuracy" in steps[2] and "eval_accuracy" not in steps[1]
+    assert final["final"] is True and final["policy_version"] == 3 and 0.0 <= final["eval_accuracy"] <= 1.0
+    assert steps[0]["kl"] < 1e-6 < steps[2]["kl"]  # policy == reference at first, then they part
+    assert "eval accuracy:" in proc.stdout
+
+    resolved = (out / "config.yaml").read_text()
+    assert f"path: {tiny_model_path}" in resolved and "kl_coef: 0.05" in resolved
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trained = AutoModelForCausalLM.from_pretrained(out / "hf")
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    AutoTokenizer.from_pretrained(out / "hf")
+    moved = [not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters())]
+    assert all(moved)  # every tensor was trained and exported
+    assert not any(shm.glob("ws-*"))  # shared memory cleaned up at exit

@@ -1,0 +1,115 @@
+"""GRPO math against direct, loop-by-loop reimplementations on small tensors."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from algos.episodes import Episode, collate
+from algos.grpo import group_advantages, grpo_loss, kl_k3, token_logprobs
+
+
+def test_group_advantages_match_per_group_statistics():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 2, (24,), generator=g).float()
+    rewards[:6] = 1.0  # one group with equal rewards
+    got = group_advantages(rewards, group_size=6)
+    for start in range(0, 24, 6):
+        group = rewards[start : start + 6].tolist()
+        mean, std = statistics.fmean(group), statistics.stdev(group)
+        for i, r in enumerate(group):
+            assert got[start + i].item() == pytest.approx((r - mean) / (std + 1e-6), abs=1e-5)
+    assert torch.all(got[:6] == 0)
+
+
+def test_group_advantages_reject_bad_shapes():
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages(torch.zeros(10), 4)
+    with pytest.raises(ValueError, match="at least 2"):
+        group_advantages(torch.zeros(4), 1)
+
+
+def test_kl_k3_formula_and_sign():
+    logp = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    ref = torch.tensor([-1.5, -1.0, -0.5, -0.1])
+    for a, b, k in zip(logp.tolist(), ref.tolist(), kl_k3(logp, ref).tolist()):
+        assert k == pytest.approx(math.exp(b - a) - (b - a) - 1, rel=1e-6)
+        assert k >= 0
+    assert kl_k3(logp, logp).abs().max() == 0
+
+
+def _reference_loss(logp, old, adv, mask, eps, beta, ref):
+    """Direct loop: token-mean over all completion tokens of the clipped objective minus beta*k3."""
+    total, count = 0.0, 0
+    for b in range(len(logp)):
+        for t in range(len(logp[b])):
+            if mask[b][t] == 0:
+                continue
+            ratio = math.exp(logp[b][t] - old[b][t])
+            obj = min(ratio * adv[b], max(min(ratio, 1 + eps), 1 - eps) * adv[b])
+            kl = math.exp(ref[b][t] - logp[b][t]) - (ref[b][t] - logp[b][t]) - 1 if beta else 0.0
+            total += obj - beta * kl
+            count += 1
+    return -total / count
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_grpo_loss_matches_direct_loop(beta):
+    g = torch.Generator().manual_seed(1)
+    B, T = 5, 7
+    logp = -torch.rand(B, T, generator=g) * 3
+    old = logp + (torch.rand(B, T, generator=g) - 0.5) * 0.8  # ratios both inside and outside the clip
+    ref = logp + (torch.rand(B, T, generator=g) - 0.5)
+    adv = torch.randn(B, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    loss, metrics = grpo_loss(logp, old, adv, mask, clip_eps=0.2, kl_coef=beta, ref_logprobs=ref)
+    expected = _reference_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, beta, ref.tolist())
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert 0 < metrics["clip_frac"] < 1
+    assert (metrics["kl"] > 0) == (beta > 0)
+
+
+def test_grpo_loss_gradient_raises_logprob_of_positive_advantage():
+    logp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.ones(2, 3)
+    loss, _ = grpo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), mask)
+    loss.backward()
+    assert torch.all(logp.grad[0] < 0) and torch.all(logp.grad[1] > 0)  # descent raises row 0, lowers row 1
+
+
+def test_grpo_loss_needs_reference_when_kl_is_on():
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        grpo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), kl_coef=0.1)
+
+
+def test_token_logprobs_match_manual_softmax():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 4, 6, generator=g)
+    ids = torch.randint(0, 6, (2, 4), generator=g)
+    got = token_logprobs(logits, ids)
+    for b in range(2):
+        assert got[b, 0] == 0
+        for t in range(1, 4):
+            row = logits[b, t - 1].tolist()
+            log_z = math.log(sum(math.exp(x) for x in row))
+            assert got[b, t].item() == pytest.approx(row[ids[b, t]] - log_z, abs=1e-5)
+
+
+def test_collate_aligns_completion_tokens_and_logprobs():
+    eps = [
+        Episode([5, 6, 7], [8, 1], [-0.1, -0.2], 1.0, 0.5, 3, ref_logprobs=[-0.3, -0.4]),
+        Episode([5, 6], [9, 9, 1], [-1.0, -2.0, -3.0], 0.0, -0.5, 3, ref_logprobs=[-1.5, -2.5, -3.5]),
+    ]
+    batch = collate(eps, pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 1], [5, 6, 9, 9, 1]]
+    assert batch["completion_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]
+    assert batch["rollout_logprobs"][0, 3:].tolist() == pytest.approx([-0.1, -0.2])
+    assert batch["rollout_logprobs"][1, 2:].tolist() == pytest.approx([-1.0, -2.0, -3.0])
+    assert batch["ref_logprobs"][1, 2:].tolist() == pytest.approx([-1.5, -2.5, -3.5])
+    assert batch["advantages"].tolist() == [0.5, -0.5]
+    short = collate([Episode([5], [1], [-0.1], 1.0, 0.0, 0), eps[1]], pad_id=0)
+    assert short["input_ids"][0].tolist() == [5, 1, 0, 0, 0] and short["attention_mask"][0].tolist() == [1, 1, 0, 0, 0]
+    assert "ref_logprobs" not in short
+    with pytest.raises(ValueError, match="logprobs"):
+        collate([Episode([5], [1, 2], [-0.1], 1.0, 0.0, 0)], pad_id=0)

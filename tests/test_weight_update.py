@@ -1,0 +1,69 @@
+"""A weight update through the store changes vLLM's output and matches the trainer's logprobs."""
+
+import pytest
+import torch
+
+from actors.modeling import load_causal_lm, sequence_token_logprobs
+from weightsync.push import WeightPusher
+from weightsync.store import WeightStore
+
+pytestmark = pytest.mark.slow
+
+SEQUENCES = [[5, 6, 2, 7, 8, 14, 9, 1], [9, 9, 2, 12, 14, 7, 1], [3, 3, 12, 4, 14, 4, 8, 1]]
+TOL = 1e-4  # float32 on both sides; observed differences are ~1e-6
+
+
+def _hf_logprobs(model) -> list[list[float]]:
+    out = []
+    for ids in SEQUENCES:
+        batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        with torch.no_grad():
+            out.append(sequence_token_logprobs(model, batch)[0, 1:].tolist())
+    return out
+
+
+def _vllm_logprobs(ray_session, policy) -> list[list[float]]:
+    return [row[1:] for row in ray_session.get(policy.prompt_logprobs.remote(SEQUENCES))]
+
+
+def _max_diff(a, b) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def test_update_changes_vllm_and_matches_trainer(policy, ray_session, redis_url, tiny_model_path, tmp_path):
+    model = load_causal_lm(tiny_model_path)
+    before = _vllm_logprobs(ray_session, policy)
+    assert _max_diff(before, _hf_logprobs(model)) < TOL  # same starting weights
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # every tensor kind: embeddings (tied LM head), qkv, mlp, norms
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    expected = _hf_logprobs(model)
+    assert _max_diff(before, expected) > 100 * TOL  # the perturbation alone moves far beyond tolerance
+
+    store = WeightStore(redis_url, "test-sync")
+    WeightPusher(store, shm_root=tmp_path).push(model.state_dict(), version=1)
+    stats = ray_session.get(policy.update_weights.remote(1))
+    after = _vllm_logprobs(ray_session, policy)
+    assert _max_diff(after, expected) < TOL
+    assert stats["bytes_read_per_worker"][0] == sum(p.numel() * 4 for p in model.parameters())  # tied: once
+    assert store.holders(1) == {"test-policy"}
+
+    # A second version replaces the first, in place.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.9)
+    WeightPusher(store, shm_root=tmp_path).push(model.state_dict(), version=2)
+    ray_session.get(policy.update_weights.remote(2))
+    assert _max_diff(_vllm_logprobs(ray_session, policy), _hf_logprobs(model)) < TOL
+
+    # Leave the shared engine as the session found it.
+    WeightPusher(store, shm_root=tmp_path).push(load_causal_lm(tiny_model_path).state_dict(), version=3)
+    ray_session.get(policy.update_weights.remote(3))
+    assert _max_diff(_vllm_logprobs(ray_session, policy), before) < TOL
+
+
+def test_update_to_an_uncommitted_version_is_a_clear_error(policy, ray_session):
+    with pytest.raises(Exception, match="not committed"):
+        ray_session.get(policy.update_weights.remote(999))

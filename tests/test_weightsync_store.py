@@ -1,0 +1,165 @@
+"""The store's control plane (real redis-server) and the shared-memory data plane, without vLLM."""
+
+import json
+import random
+import uuid
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+from weightsync.push import WeightPusher, version_dir
+from weightsync.reader import ShardFiles, read_box
+from weightsync.redis_server import LocalRedis, RedisUnavailable, check_redis
+from weightsync.store import Chunk, TensorEntry, VersionNotFound, WeightStore
+
+
+@pytest.fixture
+def store(redis_url):
+    s = WeightStore(redis_url, f"t-{uuid.uuid4().hex[:8]}")
+    yield s
+    s.close()
+
+
+def _state_dict(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(15, 8, generator=g)
+    return {
+        "model.embed_tokens.weight": emb,
+        "model.layers.0.mlp.up_proj.weight": torch.randn(12, 8, generator=g),
+        "model.norm.weight": torch.randn(8, generator=g),
+        "lm_head.weight": emb,  # tied: same tensor, stored once
+    }
+
+
+def test_push_writes_real_dcp_output_and_commits(store, tmp_path):
+    sd = _state_dict()
+    stats = WeightPusher(store, shm_root=tmp_path).push(sd, version=1)
+    assert store.latest() == 1 and store.versions() == [1]
+    index = store.index(1)
+    assert set(index) == {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
+    assert index["model.layers.0.mlp.up_proj.weight"].shape == [12, 8]
+    files = list(version_dir(tmp_path, store.run, 1).glob("*.safetensors"))
+    assert len(files) == 1 and stats["bytes_written"] == files[0].stat().st_size
+    with safe_open(str(files[0]), framework="pt") as f:
+        header = f.metadata()
+    assert "DCP_VERSION" in header and "DCP_SHARDING_INFO" in header
+    # DCP's own reader loads what we wrote.
+    loaded = {k: torch.zeros_like(v) for k, v in sd.items() if k != "lm_head.weight"}
+    dcp.load(loaded, storage_reader=HuggingFaceStorageReader(str(version_dir(tmp_path, store.run, 1))), no_dist=True)
+    for k, v in loaded.items():
+        assert torch.equal(v, sd[k])
+
+
+def test_push_casts_to_the_sync_dtype(store, tmp_path):
+    sd = _state_dict()
+    WeightPusher(store, shm_root=tmp_path, dtype="bfloat16").push(sd, version=1)
+    entry = store.index(1)["model.norm.weight"]
+    assert entry.dtype == "bfloat16"
+    out = torch.empty(8, dtype=torch.bfloat16)
+    read_box("model.norm.weight", entry, ((0, 8),), out, ShardFiles())
+    assert torch.equal(out, sd["model.norm.weight"].to(torch.bfloat16))
+
+
+def test_read_box_equals_slicing_the_full_tensor(store, tmp_path):
+    sd = _state_dict(seed=1)
+    WeightPusher(store, shm_root=tmp_path).push(sd, version=1)
+    index, files, rng = store.index(1), ShardFiles(), random.Random(0)
+    for _ in range(50):
+        name = rng.choice(sorted(index))
+        shape = index[name].shape
+        box = []
+        for n in shape:
+            lo = rng.randrange(n)
+            box.append((lo, rng.randrange(lo + 1, n + 1)))
+        out = torch.empty([hi - lo for lo, hi in box])
+        nbytes = read_box(name, index[name], tuple(box), out, files)
+        assert torch.equal(out, sd[name][tuple(slice(lo, hi) for lo, hi in box)])
+        assert nbytes == out.numel() * 4
+
+
+def test_read_box_stitches_several_chunks_and_reads_only_the_overlap(tmp_path):
+    full = torch.arange(10 * 6, dtype=torch.float32).view(10, 6)
+    # Three chunks as three ranks would store them: rows 0-3, rows 4-9 x cols 0-2, rows 4-9 x cols 3-5.
+    pieces = [((0, 0), full[0:4]), ((4, 0), full[4:10, 0:3]), ((4, 3), full[4:10, 3:6])]
+    chunks = []
+    for i, (offsets, t) in enumerate(pieces):
+        file = tmp_path / f"shard{i}.safetensors"
+        save_file({"w": t.contiguous()}, str(file))
+        chunks.append(Chunk(list(offsets), list(t.shape), {"kind": "shm", "file": str(file)}))
+    entry = TensorEntry("float32", [10, 6], chunks)
+    for box in [((2, 7), (1, 5)), ((0, 10), (0, 6)), ((5, 6), (4, 5)), ((0, 4), (0, 6))]:
+        out = torch.empty([hi - lo for lo, hi in box])
+        nbytes = read_box("w", entry, box, out, ShardFiles())
+        assert torch.equal(out, full[tuple(slice(lo, hi) for lo, hi in box)])
+        assert nbytes == out.numel() * 4  # only the wanted bytes
+    with pytest.raises(RuntimeError, match="cover"):
+        read_box("w", TensorEntry("float32", [10, 6], chunks[:2]), ((0, 10), (0, 6)), torch.empty(10, 6), ShardFiles())
+
+
+def test_nothing_is_visible_before_commit_and_missing_parts_refuse_to_commit(store):
+    entry = {"w": TensorEntry("float32", [2], [Chunk([0], [2], {"kind": "shm", "file": "/x"})])}
+    store.put_part(5, 0, entry)
+    assert store.latest() is None and store.versions() == []
+    with pytest.raises(VersionNotFound):
+        store.index(5)
+    with pytest.raises(RuntimeError, match=r"ranks \[1\]"):
+        store.commit(5, world_size=2)
+    store.put_part(5, 1, entry)
+    merged = store.commit(5, world_size=2)
+    assert len(merged["w"].chunks) == 2 and store.latest() == 5
+
+
+def test_a_failed_push_leaves_no_version_and_no_files(store, tmp_path, monkeypatch):
+    """The shard is on disk when the commit path fails: it must be removed, and nothing committed."""
+
+    def fail(*args, **kwargs):
+        assert any(version_dir(tmp_path, store.run, 1).glob("*.safetensors"))  # written by then
+        raise ConnectionError("redis went away")
+
+    monkeypatch.setattr(store, "put_part", fail)
+    with pytest.raises(ConnectionError):
+        WeightPusher(store, shm_root=tmp_path).push(_state_dict(), version=1)
+    assert store.versions() == [] and store.latest() is None
+    assert not version_dir(tmp_path, store.run, 1).exists()
+
+
+def test_retention_keeps_last_k_and_leased_versions(store, tmp_path):
+    pusher = WeightPusher(store, shm_root=tmp_path, keep_last=2)
+    pusher.push(_state_dict(), 1)
+    store.lease(1, "policy-0")
+    for v in (2, 3, 4):
+        pusher.push(_state_dict(v), v)
+    assert store.versions() == [1, 3, 4]  # 2 dropped; 1 is held by policy-0
+    assert not version_dir(tmp_path, store.run, 2).exists() and version_dir(tmp_path, store.run, 1).exists()
+    store.lease(4, "policy-0")  # moving the lease releases version 1
+    pusher.push(_state_dict(5), 5)
+    assert store.versions() == [4, 5]
+    assert sorted(p.name for p in (tmp_path / f"ws-{store.run}").iterdir()) == ["v4", "v5"]
+
+
+def test_index_is_plain_json(store, tmp_path, redis_url):
+    import redis
+
+    WeightPusher(store, shm_root=tmp_path).push(_state_dict(), 1)
+    raw = redis.Redis.from_url(redis_url).get(f"ws:{store.run}:v1:index")
+    parsed = json.loads(raw)
+    assert parsed["model.norm.weight"]["chunks"][0]["offsets"] == [0]
+
+
+def test_unreachable_redis_is_a_clear_error(tmp_path):
+    with pytest.raises(RedisUnavailable, match="not reachable"):
+        check_redis(f"unix://{tmp_path}/nothing.sock", timeout_s=0.5)
+    with pytest.raises(RedisUnavailable, match="redis.url"):
+        check_redis("redis://127.0.0.1:1", timeout_s=0.5)
+
+
+def test_local_redis_listens_on_a_private_unix_socket():
+    with LocalRedis() as server:
+        assert server.url.startswith("unix://")
+        check_redis(server.url)
+        path = server.socket
+    assert not path.exists()
