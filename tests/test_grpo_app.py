@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from apps.grpo.config import ConfigError, register, validate
+from apps.grpo.config import ConfigError, check_override_keys, register, validate
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRED = {
@@ -78,11 +78,23 @@ def test_bad_values_name_the_key_and_what_is_allowed(override, key):
         validate(_compose(override))
 
 
-def test_cli_unknown_key_fails_naming_it(tmp_path):
-    proc = _run_app("stepz=3", f"output_dir={tmp_path}")
-    assert proc.returncode != 0
-    assert "stepz" in proc.stderr
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("stepz=3", "unknown config key 'stepz'; allowed keys: ["),
+        ("policy.tpp=2", "Did you mean 'policy.tp'?"),
+        ("polcy.tp=2", "'polcy' is not a config group"),
+    ],
+)
+def test_cli_unknown_key_names_it_and_what_is_allowed(tmp_path, override, message):
+    proc = _run_app(override, f"output_dir={tmp_path}")
+    assert proc.returncode == 2
+    assert message in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_override_check_passes_known_keys_and_hydra_syntax():
+    check_override_keys(["steps=3", "policy.tp=2", "model=tiny", "+extra=1", "hydra.run.dir=x", "--cfg", "job"])
 
 
 @pytest.mark.parametrize("kind", ["missing", "not_hf"])

@@ -16,7 +16,7 @@ import hydra
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from apps.grpo.config import ConfigError, register, validate
+from apps.grpo.config import ConfigError, check_override_keys, register, validate
 
 register()
 log = logging.getLogger("apps.grpo")
@@ -116,4 +116,9 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    try:
+        check_override_keys(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -8,6 +8,8 @@ of the wrong type is an error that names the key and the type.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -102,6 +104,44 @@ def register() -> None:
 
 class ConfigError(ValueError):
     pass
+
+
+def _schema_keys(node: type = None, prefix: str = "") -> dict[str, list[str]]:
+    """Each config group path ("" for the top) -> the keys allowed in it."""
+    node = node or GRPOConfig
+    out = {prefix: []}
+    for f in dataclasses.fields(node):
+        out[prefix].append(f.name)
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            out.update(_schema_keys(sub, f"{prefix}{f.name}."))
+    return out
+
+
+def check_override_keys(args: list[str]) -> None:
+    """Reject command-line overrides of unknown keys, naming the allowed ones and the closest.
+
+    Hydra would reject them too, but without saying what is allowed. Hydra's own flags and
+    ``hydra.*``, ``+key``/``~key`` overrides are left to Hydra.
+    """
+    groups = _schema_keys()
+    for arg in args:
+        if arg.startswith(("-", "+", "~", "hydra.", "hydra/")) or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0]
+        parent, _, leaf = key.rpartition(".")
+        parent = f"{parent}." if parent else ""
+        if parent in groups and leaf in groups[parent]:
+            continue
+        if parent not in groups:
+            allowed = sorted(k.rstrip(".") for k in groups if k)
+            raise ConfigError(f"unknown config key {key!r}: {parent.rstrip('.')!r} is not a config group; groups: {allowed}")
+        close = difflib.get_close_matches(leaf, groups[parent], n=1)
+        hint = f" Did you mean {parent + close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"unknown config key {key!r}; allowed keys{' in ' + parent.rstrip('.') if parent else ''}: "
+            f"{sorted(groups[parent])}.{hint}"
+        )
 
 
 def validate(cfg) -> None:
