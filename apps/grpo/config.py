@@ -135,7 +135,8 @@ def check_override_keys(args: list[str]) -> None:
             continue
         if parent not in groups:
             allowed = sorted(k.rstrip(".") for k in groups if k)
-            raise ConfigError(f"unknown config key {key!r}: {parent.rstrip('.')!r} is not a config group; groups: {allowed}")
+            group = parent.rstrip(".")
+            raise ConfigError(f"unknown config key {key!r}: {group!r} is not a config group; groups: {allowed}")
         close = difflib.get_close_matches(leaf, groups[parent], n=1)
         hint = f" Did you mean {parent + close[0]!r}?" if close else ""
         raise ConfigError(
