@@ -38,3 +38,15 @@ def policy(ray_session, redis_url, tiny_model_path):
     actor = Policy.remote(tiny_model_path, redis_url, "test-sync", replica="test-policy")
     ray_session.get(actor.__ray_ready__.remote())
     return actor
+
+
+@pytest.fixture(scope="session")
+def policy_tp2(ray_session, redis_url, tiny_model_path):
+    """A second vLLM policy actor with TP=2 (one OpenMP thread per worker); run 'test-sync-tp2'."""
+    from actors.policy import Policy
+
+    actor = Policy.remote(
+        tiny_model_path, redis_url, "test-sync-tp2", replica="test-policy-tp2", tp=2, omp_threads_bind="0|1"
+    )
+    ray_session.get(actor.__ray_ready__.remote())
+    return actor

@@ -1,9 +1,16 @@
-"""A weight update through the store changes vLLM's output and matches the trainer's logprobs."""
+"""A weight update through the store changes vLLM's output and matches the trainer's logprobs.
+
+The parity matrix: trainer ranks {1, 2} (FSDP2 over gloo, each rank writing its own DCP shard)
+x policy TP {1, 2} (each vLLM worker reading only its own slices).
+"""
+
+import itertools
 
 import pytest
 import torch
 
 from actors.modeling import load_causal_lm, sequence_token_logprobs
+from tests.fsdp_push import perturbed_model, push_from_ranks
 from weightsync.push import WeightPusher
 from weightsync.store import WeightStore
 
@@ -67,3 +74,42 @@ def test_update_changes_vllm_and_matches_trainer(policy, ray_session, redis_url,
 def test_update_to_an_uncommitted_version_is_a_clear_error(policy, ray_session):
     with pytest.raises(Exception, match="not committed"):
         ray_session.get(policy.update_weights.remote(999))
+
+
+VERSIONS = itertools.count(100)  # fresh version numbers across the parity cases
+RUNS = {1: ("policy", "test-sync"), 2: ("policy_tp2", "test-sync-tp2")}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_parity_trainer_ranks_by_policy_tp(ranks, tp, request, ray_session, redis_url, tiny_model_path, tmp_path):
+    fixture, run = RUNS[tp]
+    policy = request.getfixturevalue(fixture)
+    store = WeightStore(redis_url, run)
+    model = perturbed_model(tiny_model_path, seed=10 * ranks + tp)
+    expected = _hf_logprobs(model)
+    before = _vllm_logprobs(ray_session, policy)
+    assert _max_diff(before, expected) > 100 * TOL
+
+    version = next(VERSIONS)
+    if ranks == 1:
+        WeightPusher(store, shm_root=tmp_path).push(model.state_dict(), version)
+    else:
+        push_from_ranks(ranks, tmp_path, tiny_model_path, 10 * ranks + tp, redis_url, run, tmp_path, version)
+    index = store.index(version)
+    files = {c.location["file"] for e in index.values() for c in e.chunks}
+    assert len(files) == ranks  # one DCP shard per trainer rank
+    stats = ray_session.get(policy.update_weights.remote(version))
+    assert _max_diff(_vllm_logprobs(ray_session, policy), expected) < TOL
+
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert len(stats["bytes_read_per_worker"]) == tp
+    if tp == 1:
+        assert stats["bytes_read_per_worker"] == [model_bytes]
+    else:
+        assert max(stats["bytes_read_per_worker"]) <= 0.55 * model_bytes  # each worker reads its share only
+
+    restore = next(VERSIONS)  # leave the shared engine as the session found it
+    WeightPusher(store, shm_root=tmp_path).push(load_causal_lm(tiny_model_path).state_dict(), restore)
+    ray_session.get(policy.update_weights.remote(restore))
+    assert _max_diff(_vllm_logprobs(ray_session, policy), before) < TOL
