@@ -106,14 +106,17 @@ class Policy:
         ]
 
     def update_weights(self, version: int) -> dict:
-        """Load ``version`` from the store into every worker, in place; pin it for this replica."""
-        stats = self.llm.collective_rpc("update_weights_from_store", args=(self.redis_url, self.run, version))
-        self.llm.reset_prefix_cache()
+        """Load ``version`` from the store into every worker, in place.
+
+        The replica leases the version before reading it, so the trainer cannot retire it midway.
+        """
         store = WeightStore(self.redis_url, self.run)
         try:
             store.lease(version, self.replica)
         finally:
             store.close()
+        stats = self.llm.collective_rpc("update_weights_from_store", args=(self.redis_url, self.run, version))
+        self.llm.reset_prefix_cache()
         self.version = version
         return {
             "update_s": max(s["update_s"] for s in stats),

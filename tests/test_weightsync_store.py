@@ -2,6 +2,7 @@
 
 import json
 import random
+import threading
 import uuid
 
 import pytest
@@ -134,11 +135,81 @@ def test_retention_keeps_last_k_and_leased_versions(store, tmp_path):
     for v in (2, 3, 4):
         pusher.push(_state_dict(v), v)
     assert store.versions() == [1, 3, 4]  # 2 dropped; 1 is held by policy-0
+    with pytest.raises(VersionNotFound):
+        store.lease(2, "policy-1")  # a dropped version cannot be pinned
     assert not version_dir(tmp_path, store.run, 2).exists() and version_dir(tmp_path, store.run, 1).exists()
     store.lease(4, "policy-0")  # moving the lease releases version 1
     pusher.push(_state_dict(5), 5)
     assert store.versions() == [4, 5]
     assert sorted(p.name for p in (tmp_path / f"ws-{store.run}").iterdir()) == ["v4", "v5"]
+
+
+def _read_all(store, version) -> dict[str, torch.Tensor]:
+    files = ShardFiles()
+    out = {}
+    for name, entry in store.index(version).items():
+        t = torch.empty(entry.shape)
+        read_box(name, entry, tuple((0, n) for n in entry.shape), t, files)
+        out[name] = t
+    return out
+
+
+def test_a_pinned_reader_keeps_reading_its_version_while_newer_ones_are_pushed(store, tmp_path):
+    pusher = WeightPusher(store, shm_root=tmp_path, keep_last=1)
+    pusher.push(_state_dict(1), 1)
+    store.lease(1, "reader")
+    done = threading.Event()
+
+    def push_more():
+        for v in range(2, 12):
+            pusher.push(_state_dict(v), v)
+        done.set()
+
+    writer = threading.Thread(target=push_more)
+    writer.start()
+    reads = 0
+    while not done.is_set() or reads < 3:
+        got = _read_all(store, 1)
+        for name, t in got.items():
+            assert torch.equal(t, _state_dict(1)[name])
+        reads += 1
+    writer.join()
+    assert store.versions() == [1, 11] and store.latest() == 11
+    assert torch.equal(_read_all(store, 11)["model.norm.weight"], _state_dict(11)["model.norm.weight"])
+
+
+def test_lease_and_retire_never_race(store, tmp_path):
+    """A lease that succeeds always finds its version whole, however retirement interleaves."""
+    pusher = WeightPusher(store, shm_root=tmp_path, keep_last=1)
+    pusher.push(_state_dict(0), 0)
+    stop = threading.Event()
+    errors = []
+
+    def reader():
+        leased = attempt = 0
+        while not stop.is_set():
+            attempt += 1
+            v = store.latest() - attempt % 2  # the newest, or the one being retired right now
+            try:
+                store.lease(v, "reader")
+            except VersionNotFound:
+                continue
+            try:
+                _read_all(store, v)  # must not find missing index or files
+                leased += 1
+            except Exception as e:
+                errors.append(e)
+        errors.append(leased)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for v in range(1, 40):
+        pusher.push(_state_dict(v % 3), v)
+    stop.set()
+    thread.join()
+    *failures, leased = errors
+    assert not failures
+    assert leased > 0  # the race was exercised
 
 
 def test_index_is_plain_json(store, tmp_path, redis_url):

@@ -118,9 +118,8 @@ class WeightPusher:
 
     def retire(self) -> list[int]:
         """Drop committed versions beyond ``keep_last`` that no policy replica holds."""
-        dropped = self.store.droppable(self.keep_last)
+        dropped = self.store.retire(self.keep_last)
         for v in dropped:
-            self.store.drop(v)
             shutil.rmtree(version_dir(self.shm_root, self.store.run, v), ignore_errors=True)
         return dropped
 

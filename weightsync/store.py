@@ -57,6 +57,33 @@ class VersionNotFound(KeyError):
     pass
 
 
+# KEYS: index of v, leases of v, versions zset; ARGV: holder, v, key prefix "ws:<run>:".
+_LEASE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for _, v in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+  if v ~= ARGV[2] then redis.call('SREM', ARGV[3] .. 'v' .. v .. ':leases', ARGV[1]) end
+end
+redis.call('SADD', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: versions zset; ARGV: keep_last, key prefix. Returns the dropped versions.
+_RETIRE_LUA = """
+local versions = redis.call('ZRANGE', KEYS[1], 0, -1)
+local dropped = {}
+for i = 1, #versions - tonumber(ARGV[1]) do
+  local v = versions[i]
+  local leases = ARGV[2] .. 'v' .. v .. ':leases'
+  if redis.call('SCARD', leases) == 0 then
+    redis.call('ZREM', KEYS[1], v)
+    redis.call('DEL', ARGV[2] .. 'v' .. v .. ':index', leases)
+    table.insert(dropped, v)
+  end
+end
+return dropped
+"""
+
+
 class WeightStore:
     """Control-plane client for one run's weight versions."""
 
@@ -64,6 +91,10 @@ class WeightStore:
         self.url = url
         self.run = run
         self._r = redis.Redis.from_url(url)
+        # Server-side scripts keep lease/retire atomic. They build per-version key names from the
+        # run prefix, which a single Redis instance allows (Redis Cluster would need hash tags).
+        self._lease_script = self._r.register_script(_LEASE_LUA)
+        self._retire_script = self._r.register_script(_RETIRE_LUA)
 
     def _key(self, *parts: object) -> str:
         return ":".join(["ws", self.run, *map(str, parts)])
@@ -122,28 +153,34 @@ class WeightStore:
         return {fqn: _entry_from_json(e) for fqn, e in json.loads(raw).items()}
 
     def lease(self, version: int, holder: str) -> None:
-        """Pin ``version`` for ``holder`` and release that holder's other leases."""
-        for v in self.versions():
-            if v != version:
-                self._r.srem(self._key(f"v{v}", "leases"), holder)
-        self._r.sadd(self._key(f"v{version}", "leases"), holder)
+        """Pin ``version`` for ``holder`` (releasing its other leases) before reading it.
+
+        Atomic with retirement: a version is either still committed and now pinned, or this
+        raises ``VersionNotFound``; it can never be dropped between the check and the pin.
+        """
+        ok = self._lease_script(
+            keys=[self._key(f"v{version}", "index"), self._key(f"v{version}", "leases"), self._key("versions")],
+            args=[holder, str(version), self._key("")],
+        )
+        if not ok:
+            raise VersionNotFound(
+                f"weight version {version} of run {self.run!r} is not committed (or was already dropped); "
+                f"committed: {self.versions()}"
+            )
 
     def holders(self, version: int) -> set[str]:
         return {h.decode() for h in self._r.smembers(self._key(f"v{version}", "leases"))}
 
     # -- retention -----------------------------------------------------------------------------
 
-    def droppable(self, keep_last: int) -> list[int]:
-        """Committed versions outside the newest ``keep_last`` that no holder pins."""
-        versions = self.versions()
-        old = versions[: max(0, len(versions) - keep_last)]
-        return [v for v in old if not self.holders(v)]
+    def retire(self, keep_last: int) -> list[int]:
+        """Drop committed versions outside the newest ``keep_last`` that no holder pins.
 
-    def drop(self, version: int) -> None:
-        pipe = self._r.pipeline(transaction=True)
-        pipe.zrem(self._key("versions"), str(version))
-        pipe.delete(self._key(f"v{version}", "index"), self._key(f"v{version}", "leases"))
-        pipe.execute()
+        One atomic script: a lease taken concurrently either lands first (the version stays) or
+        finds the version gone. Returns the dropped versions; their data is the caller's to free.
+        """
+        dropped = self._retire_script(keys=[self._key("versions")], args=[keep_last, self._key("")])
+        return [int(v) for v in dropped]
 
     def close(self) -> None:
         self._r.close()
