@@ -95,6 +95,12 @@ class WeightSyncExtension:
                 method.process_weights_after_loading(layer)
         return {"bytes_read": nbytes, "update_s": time.perf_counter() - start}
 
+    def resident_bytes(self) -> int:
+        """This worker's resident memory (the benchmark watches it grow during an update)."""
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
 
 def _is_cpu() -> bool:
     from vllm.platforms import current_platform

