@@ -142,7 +142,7 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
             enforce_eager=True,
             worker_extension_cls="weightsync.vllm_extension.WeightSyncExtension",
         )
-        pushes, updates, per_worker, rss_growth = [], [], None, []
+        pushes, updates, per_worker, rss_growth, repacks = [], [], None, [], []
         for version in range(1, repeats + 1):
             pushes.append(pusher.push(state_dict, version)["push_s"])
             store.lease(version, "bench")
@@ -152,6 +152,7 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
             updates.append(time.perf_counter() - t)
             rss_after = llm.collective_rpc("resident_bytes")
             per_worker = [s["bytes_read"] for s in stats]
+            repacks.append(max(s["repack_s"] for s in stats))
             rss_growth.append(max(a - b for a, b in zip(rss_after, rss_before)))
         floor = max(per_worker) / bandwidth
         update = statistics.median(updates)
@@ -166,6 +167,7 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
                 "push_s": push,
                 "update_s": update,
                 "first_update_s": updates[0],
+                "repack_s": statistics.median(repacks),
                 "memcpy_floor_s": floor,
                 "update_over_floor": update / floor,
                 "bytes_read_per_worker": per_worker,
@@ -213,6 +215,7 @@ def print_table(rows: list[dict]) -> None:
             str(r["tp"]),
             f"{r['push_s']:.3f}",
             f"{r['update_s']:.3f}",
+            f"{r['repack_s']:.3f}",
             f"{r['memcpy_floor_s']:.3f}",
             f"{r['update_over_floor']:.1f}",
             f"{r['read_fraction_max']:.2f}",
@@ -222,7 +225,7 @@ def print_table(rows: list[dict]) -> None:
             f"{r['speedup_vs_ray']:.1f}",
             f"{r['speedup_vs_redis_py']:.1f}",
         )
-    Console().print(table)
+    Console(width=200).print(table)
 
 
 def main() -> None:

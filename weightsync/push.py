@@ -1,7 +1,8 @@
 """Push a trainer's weights into the store: DCP safetensors shards in shared memory + a Redis index.
 
 Every trainer rank writes only its own shard with PyTorch's DCP and its Hugging Face safetensors
-storage writer (``save_distributed=True``), into ``{shm_root}/ws-{run}/v{version}/``. The rank
+storage writer (``save_distributed=True``; ``ShmSafetensorsWriter`` gives it a one-copy write
+path), into ``{shm_root}/ws-{run}/v{version}/``. The rank
 then reads its own file's safetensors header (``DCP_SHARDING_INFO`` gives each chunk's offsets in
 the global tensor) and records its chunks in the store; rank 0 commits the version once all ranks
 have done so. A failed push removes its files and parts, so nothing half-written remains.
@@ -18,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+from weightsync.shm_writer import ShmSafetensorsWriter
 from weightsync.store import Chunk, TensorEntry, WeightStore
 
 DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"  # the safetensors header key DCP's HF writer fills
@@ -94,7 +95,7 @@ class WeightPusher:
             cast = {k: v.detach().to(self.dtype) for k, v in _without_aliases(state_dict).items()}
             metadata = dcp.save(
                 cast,
-                storage_writer=HuggingFaceStorageWriter(path=str(out_dir), save_distributed=True),
+                storage_writer=ShmSafetensorsWriter(str(out_dir)),
                 no_dist=not distributed,
             )
             shapes = {fqn: list(md.size) for fqn, md in metadata.state_dict_metadata.items()}

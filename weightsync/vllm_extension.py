@@ -87,13 +87,15 @@ class WeightSyncExtension:
                         repack.extend(owners)
         finally:
             files.close()
+        copied = time.perf_counter()
         seen: set[int] = set()
         for layer in repack:
             method = getattr(layer, "quant_method", None)
             if id(layer) not in seen and method is not None:
                 seen.add(id(layer))
                 method.process_weights_after_loading(layer)
-        return {"bytes_read": nbytes, "update_s": time.perf_counter() - start}
+        end = time.perf_counter()
+        return {"bytes_read": nbytes, "update_s": end - start, "copy_s": copied - start, "repack_s": end - copied}
 
     def resident_bytes(self) -> int:
         """This worker's resident memory (the benchmark watches it grow during an update)."""
