@@ -234,3 +234,14 @@ def test_local_redis_listens_on_a_private_unix_socket():
         check_redis(server.url)
         path = server.socket
     assert not path.exists()
+
+
+def test_only_true_aliases_are_stored_once(store, tmp_path):
+    flat = torch.arange(12, dtype=torch.float32)
+    sd = {"a.weight": flat[:6].view(2, 3), "b.weight": flat[6:].view(2, 3), "c.weight": flat[:6].view(2, 3)}
+    WeightPusher(store, shm_root=tmp_path).push(sd, 1)
+    index = store.index(1)
+    assert set(index) == {"a.weight", "b.weight"}  # c is a; b shares a's buffer but not its data
+    out = torch.empty(2, 3)
+    read_box("b.weight", index["b.weight"], ((0, 2), (0, 3)), out, ShardFiles())
+    assert torch.equal(out, sd["b.weight"])

@@ -2,10 +2,10 @@
 
 Every trainer rank writes only its own shard with PyTorch's DCP and its Hugging Face safetensors
 storage writer (``save_distributed=True``; ``ShmSafetensorsWriter`` gives it a one-copy write
-path), into ``{shm_root}/ws-{run}/v{version}/``. The rank
-then reads its own file's safetensors header (``DCP_SHARDING_INFO`` gives each chunk's offsets in
-the global tensor) and records its chunks in the store; rank 0 commits the version once all ranks
-have done so. A failed push removes its files and parts, so nothing half-written remains.
+path), into ``{shm_root}/ws-{run}/v{version}/``. The rank then reads its own file's safetensors
+header (``DCP_SHARDING_INFO`` gives each chunk's offsets in the global tensor) and records its
+chunks in the store; rank 0 commits the version once all ranks have done so. A failed push
+removes its files and parts, so nothing half-written remains.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
-from weightsync.shm_writer import ShmSafetensorsWriter
+from weightsync.shm_writer import DCP_SHARDING_INFO_KEY, SAFETENSORS_DTYPES, ShmSafetensorsWriter
 from weightsync.store import Chunk, TensorEntry, WeightStore
 
-DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"  # the safetensors header key DCP's HF writer fills
-SAVED_OFFSETS_KEY = "saved_offsets"
-
+# The dtypes a policy can be served in (the push casts the fp32 master weights to one of them).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# safetensors dtype code -> dtype name as stored in the index.
+DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in SAFETENSORS_DTYPES.items()}
 
 
 def version_dir(shm_root: str | Path, run: str, version: int) -> Path:
@@ -35,12 +34,16 @@ def version_dir(shm_root: str | Path, run: str, version: int) -> Path:
 
 
 def _without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop keys whose tensor is another key's tensor (tied embeddings): stored once."""
-    seen: set[int] = set()
+    """Drop keys whose tensor is another key's tensor (tied embeddings): stored once.
+
+    Two entries alias when their local data is the same memory seen the same way (address,
+    shape, strides, dtype); distinct views into one buffer are kept apart.
+    """
+    seen: set[tuple] = set()
     out = {}
     for fqn, t in state_dict.items():
         local = t.to_local() if hasattr(t, "to_local") else t
-        key = local.untyped_storage().data_ptr() if local.numel() else id(t)
+        key = (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype) if local.numel() else (id(t),)
         if key in seen:
             continue
         seen.add(key)
@@ -56,9 +59,9 @@ def _entries_from_shard(file: Path, global_shapes: dict[str, list[int]]) -> dict
         for fqn in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
             sl = f.get_slice(fqn)
             sizes = list(sl.get_shape())
-            offsets = list(sharding.get(fqn, {}).get(SAVED_OFFSETS_KEY, [0] * len(sizes)))
+            offsets = list(sharding.get(fqn, {}).get("saved_offsets", [0] * len(sizes)))
             entries[fqn] = TensorEntry(
-                dtype=SAFETENSORS_DTYPES[sl.get_dtype()],
+                dtype=DTYPE_NAMES[sl.get_dtype()],
                 shape=global_shapes[fqn],
                 chunks=[Chunk(offsets, sizes, {"kind": "shm", "file": str(file)})],
             )

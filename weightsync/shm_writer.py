@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"  # header keys DCP's Hugging Face writer and reader use
 DCP_VERSION_KEY = "DCP_VERSION"
 HF_DCP_VERSION = "1.0"
 SAFETENSORS_DTYPES = {
