@@ -10,9 +10,9 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.modeling import load_causal_lm, sequence_token_logprobs
+from actors.modeling import load_causal_lm
 from algos.episodes import Episode, collate
-from algos.grpo import grpo_loss, masked_mean
+from algos.grpo import grpo_loss, masked_mean, token_entropy, token_logprobs
 from weightsync.push import WeightPusher
 from weightsync.store import WeightStore
 
@@ -28,8 +28,7 @@ class Trainer:
         warmup_steps: int = 0,
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
-        clip_eps: float = 0.2,
-        kl_coef: float = 0.0,
+        loss: dict | None = None,
         seed: int = 0,
         torch_threads: int = 1,
         shm_root: str = "/dev/shm",
@@ -49,8 +48,7 @@ class Trainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1))
         )
         self.max_grad_norm = max_grad_norm
-        self.clip_eps = clip_eps
-        self.kl_coef = kl_coef
+        self.loss_options = loss or {}  # keyword arguments of algos.grpo.grpo_loss
         self.pusher = WeightPusher(WeightStore(redis_url, run), shm_root, sync_dtype, keep_last)
 
     def train_step(self, episodes: list[Episode]) -> dict[str, float]:
@@ -58,15 +56,15 @@ class Trainer:
         policy) are from this model's logprobs of the same tokens, before the update."""
         batch = collate(episodes, self.pad_id)
         mask = batch["completion_mask"]
-        logprobs = sequence_token_logprobs(self.model, batch)
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logprobs = token_logprobs(logits, batch["input_ids"])
         loss, metrics = grpo_loss(
             logprobs,
             batch["rollout_logprobs"],
             batch["advantages"],
             mask,
-            clip_eps=self.clip_eps,
-            kl_coef=self.kl_coef,
             ref_logprobs=batch.get("ref_logprobs"),
+            **self.loss_options,
         )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -77,6 +75,7 @@ class Trainer:
             diff = (logprobs.detach() - batch["rollout_logprobs"]).abs()
             metrics["logprob_diff_mean"] = masked_mean(diff, mask).item()
             metrics["logprob_diff_max"] = (diff * mask).max().item()
+            metrics["entropy"] = masked_mean(token_entropy(logits.detach()), mask).item()
         metrics["grad_norm"] = grad_norm.item()
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["train_tokens"] = int(mask.sum().item())

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from algos.grpo import group_advantages, kl_estimate
+
 
 @dataclass
 class Episode:
@@ -54,3 +56,31 @@ def collate(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
     if has_ref:
         out["ref_logprobs"] = ref
     return out
+
+
+def assign_advantages(
+    episodes: list[Episode],
+    group_size: int,
+    normalize_std: bool = True,
+    kl_reward_coef: float = 0.0,
+    kl_estimator: str = "k3",
+) -> list[float]:
+    """Set each episode's group-normalised advantage; returns the rewards they were computed from.
+
+    With ``kl_reward_coef > 0`` (KL as a reward penalty) the reward of each episode is first
+    reduced by ``coef * sum_t KL_t``, the estimator applied to the rollout's and the reference's
+    logprobs of its completion tokens.
+    """
+    rewards = []
+    for e in episodes:
+        r = e.reward
+        if kl_reward_coef:
+            if e.ref_logprobs is None:
+                raise ValueError("KL as a reward penalty needs the reference logprobs of every episode")
+            kl = kl_estimate(torch.tensor(e.rollout_logprobs), torch.tensor(e.ref_logprobs), kl_estimator)
+            r -= kl_reward_coef * kl.sum().item()
+        rewards.append(r)
+    advantages = group_advantages(torch.tensor(rewards), group_size, normalize_std=normalize_std).tolist()
+    for e, a in zip(episodes, advantages, strict=True):
+        e.advantage = a
+    return rewards

@@ -1,4 +1,4 @@
-"""GRPO math: group-normalised advantages, the k3 KL estimator and the clipped policy loss.
+"""GRPO math: group advantages, KL estimators, the clipped policy loss and its variants.
 
 Pure tensor functions, no Ray or vLLM. Shapes: ``B`` sequences, ``T`` token positions; per-token
 tensors are aligned so that position ``t`` holds the log-probability of token ``t`` of the
@@ -10,11 +10,14 @@ from __future__ import annotations
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, normalize_std: bool = True
+) -> torch.Tensor:
     """``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` within each group of ``group_size``.
 
     ``rewards`` is ``[num_groups * group_size]`` with each group's samples adjacent; ``std`` is the
     unbiased sample standard deviation. A group whose rewards are all equal gets zero advantages.
+    ``normalize_std=False`` gives Dr. GRPO's ``A_i = r_i - mean(r_group)``.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
@@ -22,6 +25,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
         raise ValueError(f"group_size={group_size}: GRPO needs at least 2 samples per prompt")
     grouped = rewards.view(-1, group_size).to(torch.float32)
     mean = grouped.mean(dim=1, keepdim=True)
+    if not normalize_std:
+        return (grouped - mean).view(-1)
     std = grouped.std(dim=1, keepdim=True)
     return ((grouped - mean) / (std + eps)).view(-1)
 
@@ -30,6 +35,45 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1, k2, k3).
+
+    With ``r = ref - logp``: ``k1 = -r`` (unbiased, can be negative), ``k2 = r^2 / 2``,
+    ``k3 = exp(r) - r - 1`` (unbiased and >= 0).
+    """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (ref_logprobs - logprobs) ** 2
+    if estimator == "k3":
+        return kl_k3(logprobs, ref_logprobs)
+    raise ValueError(f"unknown KL estimator {estimator!r}; allowed: {list(KL_ESTIMATORS)}")
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, length_normalizer: float | None = None):
+    """Reduce per-token ``values`` to a scalar.
+
+    - ``token_mean``: mean over all completion tokens of the batch;
+    - ``seq_mean_token_mean``: mean over each sequence's tokens, then over sequences;
+    - ``seq_mean_token_sum_norm`` (Dr. GRPO): each sequence's token sum divided by the constant
+      ``length_normalizer`` (e.g. the generation length limit), then mean over sequences.
+    """
+    if mode == "token_mean":
+        return masked_mean(values, mask)
+    per_seq_sum = (values * mask).sum(dim=-1)
+    if mode == "seq_mean_token_mean":
+        return (per_seq_sum / mask.sum(dim=-1).clamp(min=1)).mean()
+    if mode == "seq_mean_token_sum_norm":
+        if not length_normalizer or length_normalizer <= 0:
+            raise ValueError("seq_mean_token_sum_norm needs a positive length_normalizer")
+        return (per_seq_sum / length_normalizer).mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}; allowed: {list(LOSS_AGGREGATIONS)}")
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -45,34 +89,64 @@ def grpo_loss(
     clip_eps: float = 0.2,
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
+    clip_eps_high: float | None = None,
+    kl_estimator: str = "k3",
+    aggregation: str = "token_mean",
+    length_normalizer: float | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-ratio GRPO loss with an optional k3 KL penalty, token-mean over the batch.
+    """Clipped-ratio GRPO loss with an optional KL penalty.
 
     ``ratio_t = exp(logp_t - old_logp_t)``;
-    ``L = -mean_t[min(ratio_t A, clip(ratio_t, 1 - eps, 1 + eps) A) - beta * k3_t]``,
-    with the sequence's advantage ``A`` broadcast over its tokens. ``old_logprobs`` are those the
-    rollout was sampled with. Returns the loss and detached metrics.
+    ``L = -agg_t[w_t min(ratio_t A, clip(ratio_t, 1 - eps_low, 1 + eps_high) A) - beta KL_t]``,
+    with the sequence's advantage ``A`` broadcast over its tokens, ``eps_high`` defaulting to
+    ``eps_low = clip_eps`` (asymmetric clipping when they differ), ``KL_t`` the chosen estimator
+    and ``agg`` the chosen aggregation (see ``aggregate``). ``old_logprobs`` are those the
+    rollout was sampled with (vLLM's).
+
+    Truncated importance sampling (``tis_cap``): vLLM's logprobs differ slightly from the
+    trainer's. With a cap, the ratio is taken against the trainer's own (detached) logprobs and
+    each token is weighted by ``w_t = min(exp(logp_t - old_logp_t), tis_cap)``, the truncated
+    correction from the sampler's distribution to the trainer's; without it ``w_t = 1``.
+    Returns the loss and detached metrics.
     """
     mask = mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype).unsqueeze(-1)
-    ratio = torch.exp(logprobs - old_logprobs)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if tis_cap is None:
+        ratio = torch.exp(logprobs - old_logprobs)
+        weight = torch.ones_like(logprobs)
+    else:
+        ratio = torch.exp(logprobs - logprobs.detach())
+        weight = torch.clamp(torch.exp(logprobs.detach() - old_logprobs), max=tis_cap)
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
-    objective = torch.minimum(unclipped, clipped)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + eps_high) * adv
+    objective = weight * torch.minimum(unclipped, clipped)
     kl = torch.zeros_like(logprobs)
     if kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = kl_k3(logprobs, ref_logprobs)
-    loss = -masked_mean(objective - kl_coef * kl, mask)
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+    loss = -aggregate(objective - kl_coef * kl, mask, aggregation, length_normalizer)
     with torch.no_grad():
         metrics = {
             "loss": loss.item(),
             "kl": masked_mean(kl, mask).item(),
             "clip_frac": masked_mean((unclipped != clipped).to(mask.dtype), mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
+            "tis_weight_mean": masked_mean(weight, mask).item(),
         }
     return loss, metrics
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the distribution that predicts token ``t``, aligned like ``token_logprobs``.
+
+    ``out[b, t] = -sum_v p log p`` with ``p = softmax(logits[b, t - 1])``, and 0 at ``t = 0``.
+    """
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return torch.nn.functional.pad(entropy, (1, 0))
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

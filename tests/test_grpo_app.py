@@ -168,3 +168,30 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
     moved = [not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters())]
     assert all(moved)  # every tensor was trained and exported
     assert not any(shm.glob("ws-*"))  # shared memory cleaned up at exit
+
+
+@pytest.mark.slow
+def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
+    """KL as a reward penalty (k2), Dr. GRPO aggregation and advantages, clip-higher, truncated IS."""
+    proc = _run_app(
+        "steps=2",
+        "eval_every=0",
+        "prompts_per_step=8",
+        "algo.group_size=4",
+        "algo.kl_coef=0.05",
+        "algo.kl_mode=reward",
+        "algo.kl_estimator=k2",
+        "algo.loss_aggregation=seq_mean_token_sum_norm",
+        "algo.advantage_std_norm=false",
+        "algo.clip_eps_high=0.28",
+        "algo.tis_cap=2.0",
+        f"output_dir={tmp_path}",
+        "run_name=variants",
+        f"weightsync.shm_root={tmp_path / 'shm'}",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "variants" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows[:-1]] == [0, 1] and rows[-1]["final"] is True
+    for r in rows[:-1]:
+        assert r["kl"] == 0.0  # the KL went into the rewards, not the loss
+        assert r["entropy"] > 0 and r["logprob_diff_mean"] < 1e-3

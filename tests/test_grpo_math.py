@@ -6,8 +6,8 @@ import statistics
 import pytest
 import torch
 
-from algos.episodes import Episode, collate
-from algos.grpo import group_advantages, grpo_loss, kl_k3, token_logprobs
+from algos.episodes import Episode, assign_advantages, collate
+from algos.grpo import group_advantages, grpo_loss, kl_estimate, kl_k3, token_entropy, token_logprobs
 
 
 def test_group_advantages_match_per_group_statistics():
@@ -113,3 +113,132 @@ def test_collate_aligns_completion_tokens_and_logprobs():
     assert "ref_logprobs" not in short
     with pytest.raises(ValueError, match="logprobs"):
         collate([Episode([5], [1, 2], [-0.1], 1.0, 0.0, 0)], pad_id=0)
+
+
+def test_dr_grpo_advantages_skip_std_normalisation():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    got = group_advantages(rewards, 3, normalize_std=False)
+    assert got.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3])
+
+
+def test_kl_estimators_k1_k2_k3():
+    for a, b in [(-1.0, -1.5), (-2.0, -1.0), (-0.3, -0.3)]:
+        logp, ref = torch.tensor([a]), torch.tensor([b])
+        r = b - a
+        assert kl_estimate(logp, ref, "k1").item() == pytest.approx(-r)
+        assert kl_estimate(logp, ref, "k2").item() == pytest.approx(r * r / 2)
+        assert kl_estimate(logp, ref, "k3").item() == pytest.approx(math.exp(r) - r - 1)
+    with pytest.raises(ValueError, match="k4"):
+        kl_estimate(logp, ref, "k4")
+
+
+def _direct_variant_loss(logp, old, adv, mask, eps_low, eps_high, beta, ref, estimator, agg, norm, cap):
+    """Per-token loop over every variant: clip bounds, estimator, aggregation, truncated IS."""
+    per_seq, all_tokens = [], []
+    for b in range(len(logp)):
+        terms = []
+        for t in range(len(logp[b])):
+            if mask[b][t] == 0:
+                continue
+            if cap is None:
+                ratio, weight = math.exp(logp[b][t] - old[b][t]), 1.0
+            else:  # ratio against the trainer's own logprobs: 1 in value
+                ratio, weight = 1.0, min(math.exp(logp[b][t] - old[b][t]), cap)
+            obj = weight * min(ratio * adv[b], max(min(ratio, 1 + eps_high), 1 - eps_low) * adv[b])
+            r = ref[b][t] - logp[b][t]
+            kl = {"k1": -r, "k2": r * r / 2, "k3": math.exp(r) - r - 1}[estimator]
+            terms.append(obj - beta * kl)
+        all_tokens += terms
+        per_seq.append(terms)
+    if agg == "token_mean":
+        return -sum(all_tokens) / len(all_tokens)
+    if agg == "seq_mean_token_mean":
+        return -sum(sum(s) / len(s) for s in per_seq) / len(per_seq)
+    return -sum(sum(s) / norm for s in per_seq) / len(per_seq)
+
+
+@pytest.mark.parametrize(
+    "eps_high, estimator, agg, cap",
+    [
+        (0.28, "k3", "token_mean", None),
+        (None, "k1", "seq_mean_token_mean", None),
+        (None, "k2", "seq_mean_token_sum_norm", None),
+        (0.28, "k3", "seq_mean_token_mean", 2.0),
+        (None, "k3", "token_mean", 1.05),
+    ],
+)
+def test_loss_variants_match_direct_loop(eps_high, estimator, agg, cap):
+    g = torch.Generator().manual_seed(3)
+    B, T = 6, 5
+    logp = -torch.rand(B, T, generator=g) * 3
+    old = logp + (torch.rand(B, T, generator=g) - 0.5) * 0.8
+    ref = logp + (torch.rand(B, T, generator=g) - 0.5)
+    adv = torch.randn(B, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    mask[:, 0] = 1  # every sequence has a token
+    loss, metrics = grpo_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        clip_eps=0.2,
+        kl_coef=0.1,
+        ref_logprobs=ref,
+        clip_eps_high=eps_high,
+        kl_estimator=estimator,
+        aggregation=agg,
+        length_normalizer=8,
+        tis_cap=cap,
+    )
+    expected = _direct_variant_loss(
+        logp.tolist(),
+        old.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        0.2,
+        0.2 if eps_high is None else eps_high,
+        0.1,
+        ref.tolist(),
+        estimator,
+        agg,
+        8,
+        cap,
+    )
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    if cap is not None:
+        assert metrics["tis_weight_mean"] <= cap
+
+
+def test_truncated_is_gradient_is_weighted_policy_gradient():
+    """With TIS the gradient is -w_t * A * dlogp_t / n, w_t = min(exp(logp - old), cap)."""
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -1.0]])
+    loss, _ = grpo_loss(logp, old, torch.tensor([2.0]), torch.ones(1, 2), tis_cap=1.2)
+    loss.backward()
+    w = [min(math.exp(0.5), 1.2), min(math.exp(-1.0), 1.2)]
+    assert logp.grad[0].tolist() == pytest.approx([-w[0] * 2.0 / 2, -w[1] * 2.0 / 2])
+
+
+def test_token_entropy_matches_manual_softmax():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 5, generator=g)
+    got = token_entropy(logits)
+    for b in range(2):
+        assert got[b, 0] == 0
+        for t in range(1, 3):
+            p = torch.softmax(logits[b, t - 1], dim=-1).tolist()
+            assert got[b, t].item() == pytest.approx(-sum(x * math.log(x) for x in p), rel=1e-5)
+
+
+def test_assign_advantages_with_kl_as_reward_penalty():
+    eps = [
+        Episode([1], [2, 3], [-0.5, -1.0], 1.0, 0.0, 0, ref_logprobs=[-0.7, -1.0]),
+        Episode([1], [2], [-0.2], 0.0, 0.0, 0, ref_logprobs=[-0.1]),
+    ]
+    shaped = assign_advantages(eps, 2, normalize_std=False, kl_reward_coef=0.5, kl_estimator="k1")
+    # k1 per token = logp - ref: episode 0 sums 0.2 + 0.0, episode 1 sums -0.1
+    assert shaped == pytest.approx([1.0 - 0.5 * 0.2, 0.0 + 0.5 * 0.1])
+    mean = sum(shaped) / 2
+    assert [e.advantage for e in eps] == pytest.approx([shaped[0] - mean, shaped[1] - mean])
+    plain = assign_advantages(eps, 2)
+    assert plain == [1.0, 0.0] and eps[0].advantage > 0 > eps[1].advantage

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 POLICY_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KL_MODES = ("loss", "reward")
 
 
 @dataclass
@@ -48,8 +49,15 @@ class TrainerConfig:
 @dataclass
 class AlgoConfig:
     group_size: int = MISSING
+    advantage_std_norm: bool = MISSING
     clip_eps: float = MISSING
+    clip_eps_high: float | None = MISSING
     kl_coef: float = MISSING
+    kl_estimator: str = MISSING
+    kl_mode: str = MISSING
+    loss_aggregation: str = MISSING
+    length_normalizer: int | None = MISSING
+    tis_cap: float | None = MISSING
     max_staleness: int = MISSING
 
 
@@ -147,6 +155,8 @@ def check_override_keys(args: list[str]) -> None:
 
 def validate(cfg) -> None:
     """Check values that the types alone do not; the message names the key and what is allowed."""
+    from algos.grpo import KL_ESTIMATORS, LOSS_AGGREGATIONS  # imports torch: not at module level
+
     checks = [
         (cfg.steps >= 1, "steps", "an integer >= 1"),
         (cfg.prompts_per_step >= 1, "prompts_per_step", "an integer >= 1"),
@@ -163,6 +173,16 @@ def validate(cfg) -> None:
         (cfg.algo.group_size >= 2, "algo.group_size", "an integer >= 2 (GRPO compares samples within a group)"),
         (cfg.algo.clip_eps > 0, "algo.clip_eps", "a number > 0"),
         (cfg.algo.kl_coef >= 0, "algo.kl_coef", "a number >= 0"),
+        (cfg.algo.clip_eps_high is None or cfg.algo.clip_eps_high > 0, "algo.clip_eps_high", "null or a number > 0"),
+        (cfg.algo.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", f"one of {list(KL_ESTIMATORS)}"),
+        (cfg.algo.kl_mode in KL_MODES, "algo.kl_mode", f"one of {list(KL_MODES)}"),
+        (cfg.algo.loss_aggregation in LOSS_AGGREGATIONS, "algo.loss_aggregation", f"one of {list(LOSS_AGGREGATIONS)}"),
+        (
+            cfg.algo.length_normalizer is None or cfg.algo.length_normalizer >= 1,
+            "algo.length_normalizer",
+            "null (policy.max_tokens) or an integer >= 1",
+        ),
+        (cfg.algo.tis_cap is None or cfg.algo.tis_cap > 0, "algo.tis_cap", "null (off) or a number > 0"),
         (cfg.algo.max_staleness >= 0, "algo.max_staleness", "an integer >= 0"),
         (cfg.weightsync.keep_last >= 1, "weightsync.keep_last", "an integer >= 1"),
         (bool(str(cfg.run_name).strip()) and "/" not in str(cfg.run_name), "run_name", "a non-empty name without '/'"),

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from actors.policy import Policy, Sample
@@ -16,8 +15,7 @@ from actors.reference import Reference
 from actors.replay import ReplayBuffer
 from actors.reward import Reward
 from actors.trainer import Trainer
-from algos.episodes import Episode
-from algos.grpo import group_advantages
+from algos.episodes import Episode, assign_advantages
 from tasks.arithmetic import ArithmeticTask, Problem
 
 
@@ -52,8 +50,7 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         warmup_steps=cfg.trainer.warmup_steps,
         weight_decay=cfg.trainer.weight_decay,
         max_grad_norm=cfg.trainer.max_grad_norm,
-        clip_eps=cfg.algo.clip_eps,
-        kl_coef=cfg.algo.kl_coef,
+        loss=loss_options(cfg.algo, cfg.policy.max_tokens),
         seed=cfg.seed,
         torch_threads=cfg.trainer.torch_threads,
         shm_root=cfg.weightsync.shm_root,
@@ -77,14 +74,24 @@ def evaluate(actors: Actors, problems: list[Problem], max_tokens: int) -> float:
 
 
 def to_episodes(
-    prompt_ids: list[list[int]], samples: list[list[Sample]], rewards: list[float], group_size: int, version: int
+    prompt_ids: list[list[int]], samples: list[list[Sample]], rewards: list[float], version: int
 ) -> list[Episode]:
-    advantages = group_advantages(torch.tensor(rewards), group_size).tolist()
+    """One episode per sample, in group order; advantages are filled in by ``assign_advantages``."""
     flat = [(ids, s) for ids, group in zip(prompt_ids, samples) for s in group]
-    return [
-        Episode(ids, s.token_ids, s.logprobs, r, a, version)
-        for (ids, s), r, a in zip(flat, rewards, advantages, strict=True)
-    ]
+    return [Episode(ids, s.token_ids, s.logprobs, r, 0.0, version) for (ids, s), r in zip(flat, rewards, strict=True)]
+
+
+def loss_options(algo, max_tokens: int) -> dict:
+    """The trainer's ``grpo_loss`` keyword arguments from the ``algo`` config group."""
+    return {
+        "clip_eps": algo.clip_eps,
+        "clip_eps_high": algo.clip_eps_high,
+        "kl_coef": algo.kl_coef if algo.kl_mode == "loss" else 0.0,
+        "kl_estimator": algo.kl_estimator,
+        "aggregation": algo.loss_aggregation,
+        "length_normalizer": algo.length_normalizer or max_tokens,
+        "tis_cap": algo.tis_cap,
+    }
 
 
 def run_grpo(cfg, actors: Actors, task: ArithmeticTask, tokenizer, out_dir: Path, console) -> dict:
@@ -132,12 +139,20 @@ def run_grpo(cfg, actors: Actors, task: ArithmeticTask, tokenizer, out_dir: Path
                 actors.reward.score.remote(flat_problems, [s.text for s in flat], [s.finished for s in flat])
             )
 
-            # 4. Group-normalised advantages; reference logprobs for the KL term.
+            # 4. Reference logprobs for the KL term; group advantages (of the KL-penalised reward
+            #    when algo.kl_mode=reward).
             prompt_ids = [tokenizer.encode(p.prompt) for p in problems]
-            episodes = to_episodes(prompt_ids, samples, rewards, G, rollout_version)
+            episodes = to_episodes(prompt_ids, samples, rewards, rollout_version)
             if actors.reference is not None:
                 for e, ref in zip(episodes, ray.get(actors.reference.logprobs.remote(episodes))):
                     e.ref_logprobs = ref
+            assign_advantages(
+                episodes,
+                G,
+                normalize_std=cfg.algo.advantage_std_norm,
+                kl_reward_coef=cfg.algo.kl_coef if cfg.algo.kl_mode == "reward" else 0.0,
+                kl_estimator=cfg.algo.kl_estimator,
+            )
 
             # 5. Through the replay buffer, which drops episodes older than max_staleness.
             ray.get(actors.replay.add.remote(episodes))
@@ -158,6 +173,7 @@ def run_grpo(cfg, actors: Actors, task: ArithmeticTask, tokenizer, out_dir: Path
                 accuracy_sampled=sum(r == 1.0 for r in rewards) / len(rewards),
                 loss=train["loss"],
                 kl=train["kl"],
+                entropy=train["entropy"],
                 clip_frac=train["clip_frac"],
                 grad_norm=train["grad_norm"],
                 lr=train["lr"],
