@@ -195,3 +195,44 @@ def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
     for r in rows[:-1]:
         assert r["kl"] == 0.0  # the KL went into the rewards, not the loss
         assert r["entropy"] > 0 and r["logprob_diff_mean"] < 1e-3
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_cleans_up_and_keeps_finished_steps(tmp_path, tiny_model_path):
+    import signal
+    import time
+
+    shm = tmp_path / "shm"
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "apps.grpo",
+            "steps=500",
+            "eval_every=0",
+            "prompts_per_step=8",
+            "algo.group_size=4",
+            f"output_dir={tmp_path}",
+            "run_name=term",
+            f"weightsync.shm_root={shm}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 2"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted" in err
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line is whole
+    assert len(rows) >= 2 and not any(r.get("final") for r in rows)
+    assert not any(shm.glob("ws-*"))

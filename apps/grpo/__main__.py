@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -85,6 +86,10 @@ def run(cfg, console: Console) -> dict:
         console.print(f"run {cfg.run_name}: model {model_path}, outputs in {out_dir}")
 
         ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=cfg.ray.log_to_driver)
+        # A scheduler's SIGTERM unwinds the run like Ctrl-C: actors, Ray, the private Redis and the
+        # shared-memory weights are cleaned up; metrics.jsonl keeps every finished step. (Set after
+        # ray.init, which installs a handler of its own that aborts the process.)
+        signal.signal(signal.SIGTERM, _interrupt)
         stack.callback(ray.shutdown)
         stack.callback(shutil.rmtree, Path(cfg.weightsync.shm_root) / f"ws-{cfg.run_name}", ignore_errors=True)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
@@ -94,6 +99,10 @@ def run(cfg, console: Console) -> dict:
         hf_dir = ray.get(actors.trainer.save_hf.remote(str((out_dir / "hf").resolve())))
         result["hf_dir"] = hf_dir
     return result
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 @hydra.main(config_path="../../configs", config_name="grpo", version_base=None)
@@ -107,6 +116,10 @@ def main(cfg) -> None:
     except (ConfigError, RedisUnavailable) as e:
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
         sys.exit(2)
+    except KeyboardInterrupt:
+        out = f"{cfg.output_dir}/{cfg.run_name}"
+        Console(stderr=True, soft_wrap=True).print(f"interrupted; the finished steps' metrics are in {out}")
+        sys.exit(130)
     gain = result["eval_accuracy_final"] - result["eval_accuracy_start"]
     console.print(
         f"eval accuracy: {result['eval_accuracy_start']:.3f} at step 0 -> {result['eval_accuracy_final']:.3f} "
