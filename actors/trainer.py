@@ -69,6 +69,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         self.optimizer.step()
         self.scheduler.step()
         with torch.no_grad():
@@ -77,7 +78,7 @@ class Trainer:
             metrics["logprob_diff_max"] = (diff * mask).max().item()
             metrics["entropy"] = masked_mean(token_entropy(logits.detach()), mask).item()
         metrics["grad_norm"] = grad_norm.item()
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["lr"] = lr
         metrics["train_tokens"] = int(mask.sum().item())
         return metrics
 
