@@ -11,8 +11,8 @@ import ray
 import torch
 
 from actors.modeling import load_causal_lm
-from algos.episodes import Episode, collate
-from algos.grpo import grpo_loss, masked_mean, token_entropy, token_logprobs
+from algos.episodes import Episode
+from algos.train import grpo_backward
 from weightsync.push import WeightPusher
 from weightsync.store import WeightStore
 
@@ -29,6 +29,7 @@ class Trainer:
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
         loss: dict | None = None,
+        micro_batch_size: int | None = None,
         seed: int = 0,
         torch_threads: int = 1,
         shm_root: str = "/dev/shm",
@@ -49,37 +50,18 @@ class Trainer:
         )
         self.max_grad_norm = max_grad_norm
         self.loss_options = loss or {}  # keyword arguments of algos.grpo.grpo_loss
+        self.micro_batch_size = micro_batch_size
         self.pusher = WeightPusher(WeightStore(redis_url, run), shm_root, sync_dtype, keep_last)
 
     def train_step(self, episodes: list[Episode]) -> dict[str, float]:
-        """One optimizer step on ``episodes``. Also reports how far the rollout logprobs (from the
-        policy) are from this model's logprobs of the same tokens, before the update."""
-        batch = collate(episodes, self.pad_id)
-        mask = batch["completion_mask"]
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logprobs = token_logprobs(logits, batch["input_ids"])
-        loss, metrics = grpo_loss(
-            logprobs,
-            batch["rollout_logprobs"],
-            batch["advantages"],
-            mask,
-            ref_logprobs=batch.get("ref_logprobs"),
-            **self.loss_options,
-        )
+        """One optimizer step on ``episodes`` (gradients accumulated over micro-batches)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        metrics = grpo_backward(self.model, episodes, self.pad_id, self.loss_options, self.micro_batch_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         self.optimizer.step()
         self.scheduler.step()
-        with torch.no_grad():
-            diff = (logprobs.detach() - batch["rollout_logprobs"]).abs()
-            metrics["logprob_diff_mean"] = masked_mean(diff, mask).item()
-            metrics["logprob_diff_max"] = (diff * mask).max().item()
-            metrics["entropy"] = masked_mean(token_entropy(logits.detach()), mask).item()
         metrics["grad_norm"] = grad_norm.item()
-        metrics["lr"] = lr
-        metrics["train_tokens"] = int(mask.sum().item())
         return metrics
 
     def push_weights(self, version: int) -> dict:

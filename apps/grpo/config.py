@@ -43,6 +43,7 @@ class TrainerConfig:
     warmup_steps: int = MISSING
     weight_decay: float = MISSING
     max_grad_norm: float = MISSING
+    micro_batch_size: int | None = MISSING
     torch_threads: int = MISSING
 
 
@@ -169,6 +170,11 @@ def validate(cfg) -> None:
         (cfg.trainer.lr > 0, "trainer.lr", "a number > 0"),
         (cfg.trainer.warmup_steps >= 0, "trainer.warmup_steps", "an integer >= 0"),
         (cfg.trainer.max_grad_norm > 0, "trainer.max_grad_norm", "a number > 0"),
+        (
+            cfg.trainer.micro_batch_size is None or cfg.trainer.micro_batch_size >= 1,
+            "trainer.micro_batch_size",
+            "null (the whole batch) or an integer >= 1",
+        ),
         (cfg.trainer.torch_threads >= 1, "trainer.torch_threads", "an integer >= 1"),
         (cfg.algo.group_size >= 2, "algo.group_size", "an integer >= 2 (GRPO compares samples within a group)"),
         (cfg.algo.clip_eps > 0, "algo.clip_eps", "a number > 0"),

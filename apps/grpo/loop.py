@@ -51,6 +51,7 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         weight_decay=cfg.trainer.weight_decay,
         max_grad_norm=cfg.trainer.max_grad_norm,
         loss=loss_options(cfg.algo, cfg.policy.max_tokens),
+        micro_batch_size=cfg.trainer.micro_batch_size,
         seed=cfg.seed,
         torch_threads=cfg.trainer.torch_threads,
         shm_root=cfg.weightsync.shm_root,
