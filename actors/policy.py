@@ -122,3 +122,7 @@ class Policy:
             "update_s": max(s["update_s"] for s in stats),
             "bytes_read_per_worker": [s["bytes_read"] for s in stats],
         }
+
+    def close(self) -> None:
+        """Stop the vLLM engine (its processes and shared-memory queues) before Ray ends the actor."""
+        self.llm.llm_engine.engine_core.shutdown()

@@ -37,7 +37,8 @@ def policy(ray_session, redis_url, tiny_model_path):
 
     actor = Policy.remote(tiny_model_path, redis_url, "test-sync", replica="test-policy")
     ray_session.get(actor.__ray_ready__.remote())
-    return actor
+    yield actor
+    ray_session.get(actor.close.remote())
 
 
 @pytest.fixture(scope="session")
@@ -49,4 +50,5 @@ def policy_tp2(ray_session, redis_url, tiny_model_path):
         tiny_model_path, redis_url, "test-sync-tp2", replica="test-policy-tp2", tp=2, omp_threads_bind="0|1"
     )
     ray_session.get(actor.__ray_ready__.remote())
-    return actor
+    yield actor
+    ray_session.get(actor.close.remote())

@@ -94,6 +94,7 @@ def run(cfg, console: Console) -> dict:
         stack.callback(shutil.rmtree, Path(cfg.weightsync.shm_root) / f"ws-{cfg.run_name}", ignore_errors=True)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
         actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda)
+        stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         result = run_grpo(cfg, actors, task, tokenizer, out_dir, console)
         hf_dir = ray.get(actors.trainer.save_hf.remote(str((out_dir / "hf").resolve())))
