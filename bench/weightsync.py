@@ -180,6 +180,7 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
                 "memcpy_gbps": bandwidth / 1e9,
             }
         )
+        llm.llm_engine.engine_core.shutdown()  # its processes and shared-memory queues
         del llm
         pusher.remove_all()
         store.close()
@@ -198,6 +199,7 @@ def print_table(rows: list[dict]) -> None:
         "tp",
         "push s",
         "update s",
+        "repack s",
         "floor s",
         "upd/floor",
         "read frac",
