@@ -83,6 +83,3 @@ class Trainer:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return str(out)
-
-    def close(self) -> None:
-        self.pusher.remove_all()

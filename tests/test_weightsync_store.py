@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from weightsync.push import WeightPusher, version_dir
+from weightsync.push import WeightPusher, run_dir, version_dir
 from weightsync.reader import ShardFiles, read_box
 from weightsync.redis_server import LocalRedis, RedisUnavailable, check_redis
 from weightsync.store import Chunk, TensorEntry, VersionNotFound, WeightStore
@@ -141,7 +141,7 @@ def test_retention_keeps_last_k_and_leased_versions(store, tmp_path):
     store.lease(4, "policy-0")  # moving the lease releases version 1
     pusher.push(_state_dict(5), 5)
     assert store.versions() == [4, 5]
-    assert sorted(p.name for p in (tmp_path / f"ws-{store.run}").iterdir()) == ["v4", "v5"]
+    assert sorted(p.name for p in run_dir(tmp_path, store.run).iterdir()) == ["v4", "v5"]
 
 
 def _read_all(store, version) -> dict[str, torch.Tensor]:

@@ -29,8 +29,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in SAFETENSORS_DTYPES.items()}
 
 
+def run_dir(shm_root: str | Path, run: str) -> Path:
+    """The run's shared-memory folder: one ``v{version}`` folder per live version."""
+    return Path(shm_root) / f"ws-{run}"
+
+
 def version_dir(shm_root: str | Path, run: str, version: int) -> Path:
-    return Path(shm_root) / f"ws-{run}" / f"v{version}"
+    return run_dir(shm_root, run) / f"v{version}"
 
 
 def _without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -129,4 +134,4 @@ class WeightPusher:
 
     def remove_all(self) -> None:
         """Remove this run's shared-memory directory (at the end of a run)."""
-        shutil.rmtree(self.shm_root / f"ws-{self.store.run}", ignore_errors=True)
+        shutil.rmtree(run_dir(self.shm_root, self.store.run), ignore_errors=True)

@@ -61,6 +61,7 @@ def run(cfg, console: Console) -> dict:
 
     from apps.grpo.loop import run_grpo, start_actors
     from tasks.arithmetic import ArithmeticTask
+    from weightsync.push import run_dir
     from weightsync.redis_server import LocalRedis, check_redis
 
     validate(cfg)
@@ -91,7 +92,8 @@ def run(cfg, console: Console) -> dict:
         # ray.init, which installs a handler of its own that aborts the process.)
         signal.signal(signal.SIGTERM, _interrupt)
         stack.callback(ray.shutdown)
-        stack.callback(shutil.rmtree, Path(cfg.weightsync.shm_root) / f"ws-{cfg.run_name}", ignore_errors=True)
+        # Removed from here, not by the trainer actor, so that it happens even if the trainer died.
+        stack.callback(shutil.rmtree, run_dir(cfg.weightsync.shm_root, cfg.run_name), ignore_errors=True)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
         actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda)
         stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
