@@ -23,7 +23,7 @@ def perturbed_model(model_path: str, seed: int, scale: float = 0.05):
     return model
 
 
-def _rank_main(rank, world, init_file, model_path, seed, redis_url, run, shm_root, version, dtype):
+def _rank_main(rank, world, init_file, model_path, seed, redis_url, run, shm_root, version, dtype, data_plane):
     from torch.distributed.fsdp import fully_shard
 
     from weightsync.push import WeightPusher
@@ -36,15 +36,19 @@ def _rank_main(rank, world, init_file, model_path, seed, redis_url, run, shm_roo
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-        WeightPusher(WeightStore(redis_url, run), shm_root, dtype=dtype).push(model.state_dict(), version)
+        pusher = WeightPusher(WeightStore(redis_url, run), shm_root, dtype=dtype, data_plane=data_plane)
+        pusher.push(model.state_dict(), version)
     finally:
         dist.destroy_process_group()
 
 
-def push_from_ranks(world, tmp_path, model_path, seed, redis_url, run, shm_root, version, dtype="float32"):
+def push_from_ranks(
+    world, tmp_path, model_path, seed, redis_url, run, shm_root, version, dtype="float32", data_plane="shm"
+):
+    init_file = str(tmp_path / f"pg-{version}")
     mp.spawn(
         _rank_main,
-        args=(world, str(tmp_path / f"pg-{version}"), model_path, seed, redis_url, run, str(shm_root), version, dtype),
+        args=(world, init_file, model_path, seed, redis_url, run, str(shm_root), version, dtype, data_plane),
         nprocs=world,
         join=True,
     )

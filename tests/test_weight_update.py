@@ -1,17 +1,22 @@
 """A weight update through the store changes vLLM's output and matches the trainer's logprobs.
 
 The parity matrix: trainer ranks {1, 2} (FSDP2 over gloo, each rank writing its own DCP shard)
-x policy TP {1, 2} (each vLLM worker reading only its own slices).
+x policy TP {1, 2} (each vLLM worker reading only its own slices), through the shared-memory
+data plane, and the Redis data plane for ranks {1, 2} x TP 1 and ranks 2 x TP 2.
 """
 
 import itertools
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from actors.modeling import load_causal_lm, sequence_token_logprobs
 from tests.fsdp_push import perturbed_model, push_from_ranks
-from weightsync.push import WeightPusher
+from weightsync.push import WeightPusher, run_dir
+from weightsync.reader import ChunkSource
 from weightsync.store import WeightStore
 
 pytestmark = pytest.mark.slow
@@ -80,9 +85,13 @@ VERSIONS = itertools.count(100)  # fresh version numbers across the parity cases
 RUNS = {1: ("policy", "test-sync"), 2: ("policy_tp2", "test-sync-tp2")}
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_parity_trainer_ranks_by_policy_tp(ranks, tp, request, ray_session, redis_url, tiny_model_path, tmp_path):
+CASES = [(ranks, tp, "shm") for ranks in (1, 2) for tp in (1, 2)] + [(1, 1, "redis"), (2, 1, "redis"), (2, 2, "redis")]
+
+
+@pytest.mark.parametrize(("ranks", "tp", "data_plane"), CASES)
+def test_parity_trainer_ranks_by_policy_tp(
+    ranks, tp, data_plane, request, ray_session, redis_url, tiny_model_path, tmp_path
+):
     fixture, run = RUNS[tp]
     policy = request.getfixturevalue(fixture)
     store = WeightStore(redis_url, run)
@@ -93,12 +102,19 @@ def test_parity_trainer_ranks_by_policy_tp(ranks, tp, request, ray_session, redi
 
     version = next(VERSIONS)
     if ranks == 1:
-        WeightPusher(store, shm_root=tmp_path).push(model.state_dict(), version)
+        WeightPusher(store, shm_root=tmp_path, data_plane=data_plane).push(model.state_dict(), version)
     else:
-        push_from_ranks(ranks, tmp_path, tiny_model_path, 10 * ranks + tp, redis_url, run, tmp_path, version)
+        seed = 10 * ranks + tp
+        push_from_ranks(
+            ranks, tmp_path, tiny_model_path, seed, redis_url, run, tmp_path, version, data_plane=data_plane
+        )
     index = store.index(version)
-    files = {c.location["file"] for e in index.values() for c in e.chunks}
-    assert len(files) == ranks  # one DCP shard per trainer rank
+    locations = [c.location for e in index.values() for c in e.chunks]
+    assert {loc["kind"] for loc in locations} == {data_plane}
+    shards = {loc.get("file") or loc.get("key") for loc in locations}
+    assert len(shards) == ranks  # one DCP shard per trainer rank
+    if data_plane == "redis":
+        assert not (run_dir(tmp_path, run) / f"v{version}").exists()  # nothing in shared memory
     stats = ray_session.get(policy.update_weights.remote(version))
     assert _max_diff(_vllm_logprobs(ray_session, policy), expected) < TOL
 
@@ -113,3 +129,35 @@ def test_parity_trainer_ranks_by_policy_tp(ranks, tp, request, ray_session, redi
     WeightPusher(store, shm_root=tmp_path).push(load_causal_lm(tiny_model_path).state_dict(), restore)
     ray_session.get(policy.update_weights.remote(restore))
     assert _max_diff(_vllm_logprobs(ray_session, policy), before) < TOL
+
+
+def test_a_corrupt_shard_byte_fails_the_update_naming_the_tensor(policy_tp2, ray_session, redis_url, tiny_model_path):
+    """One flipped byte in /dev/shm after the commit: the TP worker that reads it refuses it."""
+    store = WeightStore(redis_url, "test-sync-tp2")
+    shm_root = Path(tempfile.mkdtemp(prefix="ws-test-", dir="/dev/shm"))
+    try:
+        before = _vllm_logprobs(ray_session, policy_tp2)
+        version = next(VERSIONS)
+        WeightPusher(store, shm_root=shm_root).push(perturbed_model(tiny_model_path, seed=5).state_dict(), version)
+        fqn = "model.layers.1.self_attn.o_proj.weight"  # row-parallel: worker 1 reads columns 64:128
+        chunk = store.index(version)[fqn].chunks[0]
+        source = ChunkSource()
+        view = source.fetch(fqn, chunk, 4, (0, chunk.sizes[0]), (0, chunk.sizes[1]))
+        offset = view.data_ptr() - source._file(chunk.location["file"]).bytes.data_ptr() + (7 * 128 + 100) * 4
+        source.close()
+        with open(chunk.location["file"], "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x04]))
+        with pytest.raises(
+            Exception, match=r"checksum mismatch in tensor 'model\.layers\.1\.self_attn\.o_proj\.weight'"
+        ):
+            ray_session.get(policy_tp2.update_weights.remote(version))
+
+        restore = next(VERSIONS)  # a good version repairs the engine
+        WeightPusher(store, shm_root=shm_root).push(load_causal_lm(tiny_model_path).state_dict(), restore)
+        ray_session.get(policy_tp2.update_weights.remote(restore))
+        assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), before) < TOL
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)

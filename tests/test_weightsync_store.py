@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from weightsync.push import WeightPusher, run_dir, version_dir
-from weightsync.reader import ShardFiles, read_box
+from weightsync.reader import ChunkSource, read_box
 from weightsync.redis_server import LocalRedis, RedisUnavailable, check_redis
 from weightsync.store import Chunk, TensorEntry, VersionNotFound, WeightStore
 
@@ -61,14 +61,14 @@ def test_push_casts_to_the_sync_dtype(store, tmp_path):
     entry = store.index(1)["model.norm.weight"]
     assert entry.dtype == "bfloat16"
     out = torch.empty(8, dtype=torch.bfloat16)
-    read_box("model.norm.weight", entry, ((0, 8),), out, ShardFiles())
+    read_box("model.norm.weight", entry, ((0, 8),), out, ChunkSource())
     assert torch.equal(out, sd["model.norm.weight"].to(torch.bfloat16))
 
 
 def test_read_box_equals_slicing_the_full_tensor(store, tmp_path):
     sd = _state_dict(seed=1)
     WeightPusher(store, shm_root=tmp_path).push(sd, version=1)
-    index, files, rng = store.index(1), ShardFiles(), random.Random(0)
+    index, files, rng = store.index(1), ChunkSource(), random.Random(0)
     for _ in range(50):
         name = rng.choice(sorted(index))
         shape = index[name].shape
@@ -94,11 +94,11 @@ def test_read_box_stitches_several_chunks_and_reads_only_the_overlap(tmp_path):
     entry = TensorEntry("float32", [10, 6], chunks)
     for box in [((2, 7), (1, 5)), ((0, 10), (0, 6)), ((5, 6), (4, 5)), ((0, 4), (0, 6))]:
         out = torch.empty([hi - lo for lo, hi in box])
-        nbytes = read_box("w", entry, box, out, ShardFiles())
+        nbytes = read_box("w", entry, box, out, ChunkSource())
         assert torch.equal(out, full[tuple(slice(lo, hi) for lo, hi in box)])
         assert nbytes == out.numel() * 4  # only the wanted bytes
     with pytest.raises(RuntimeError, match="cover"):
-        read_box("w", TensorEntry("float32", [10, 6], chunks[:2]), ((0, 10), (0, 6)), torch.empty(10, 6), ShardFiles())
+        read_box("w", TensorEntry("float32", [10, 6], chunks[:2]), ((0, 10), (0, 6)), torch.empty(10, 6), ChunkSource())
 
 
 def test_nothing_is_visible_before_commit_and_missing_parts_refuse_to_commit(store):
@@ -145,7 +145,7 @@ def test_retention_keeps_last_k_and_leased_versions(store, tmp_path):
 
 
 def _read_all(store, version) -> dict[str, torch.Tensor]:
-    files = ShardFiles()
+    files = ChunkSource()
     out = {}
     for name, entry in store.index(version).items():
         t = torch.empty(entry.shape)
@@ -243,5 +243,5 @@ def test_only_true_aliases_are_stored_once(store, tmp_path):
     index = store.index(1)
     assert set(index) == {"a.weight", "b.weight"}  # c is a; b shares a's buffer but not its data
     out = torch.empty(2, 3)
-    read_box("b.weight", index["b.weight"], ((0, 2), (0, 3)), out, ShardFiles())
+    read_box("b.weight", index["b.weight"], ((0, 2), (0, 3)), out, ChunkSource())
     assert torch.equal(out, sd["b.weight"])

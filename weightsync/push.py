@@ -10,7 +10,6 @@ removes its files and parts, so nothing half-written remains.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -18,15 +17,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 
-from weightsync.shm_writer import DCP_SHARDING_INFO_KEY, SAFETENSORS_DTYPES, ShmSafetensorsWriter
+from weightsync.redis_data import RedisSafetensorsWriter
+from weightsync.shm_writer import SAFETENSORS_DTYPES, ShmSafetensorsWriter
 from weightsync.store import Chunk, TensorEntry, WeightStore
 
 # The dtypes a policy can be served in (the push casts the fp32 master weights to one of them).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# safetensors dtype code -> dtype name as stored in the index.
-DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in SAFETENSORS_DTYPES.items()}
+# dtype -> name as stored in the index.
+DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in SAFETENSORS_DTYPES}
+DATA_PLANES = ("shm", "redis")
 
 
 def run_dir(shm_root: str | Path, run: str) -> Path:
@@ -56,21 +56,16 @@ def _without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def _entries_from_shard(file: Path, global_shapes: dict[str, list[int]]) -> dict[str, TensorEntry]:
-    """This rank's chunks, read back from the safetensors header DCP wrote."""
-    entries = {}
-    with safe_open(str(file), framework="pt") as f:
-        sharding = json.loads((f.metadata() or {}).get(DCP_SHARDING_INFO_KEY, "{}"))
-        for fqn in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-            sl = f.get_slice(fqn)
-            sizes = list(sl.get_shape())
-            offsets = list(sharding.get(fqn, {}).get("saved_offsets", [0] * len(sizes)))
-            entries[fqn] = TensorEntry(
-                dtype=DTYPE_NAMES[sl.get_dtype()],
-                shape=global_shapes[fqn],
-                chunks=[Chunk(offsets, sizes, {"kind": "shm", "file": str(file)})],
-            )
-    return entries
+def _entries(writer: ShmSafetensorsWriter, global_shapes: dict[str, list[int]]) -> dict[str, TensorEntry]:
+    """This rank's chunks, as the writer recorded them while writing its shard."""
+    return {
+        fqn: TensorEntry(
+            dtype=DTYPE_NAMES[w.dtype],
+            shape=global_shapes[fqn],
+            chunks=[Chunk(w.offsets, w.sizes, writer.location(w.byte_offset), w.checksum)],
+        )
+        for fqn, w in writer.written.items()
+    }
 
 
 class WeightPusher:
@@ -82,15 +77,25 @@ class WeightPusher:
         shm_root: str | Path = "/dev/shm",
         dtype: str = "float32",
         keep_last: int = 2,
+        *,
+        data_plane: str = "shm",
+        checksums: bool = True,
     ) -> None:
+        """``data_plane``: "shm" (shard files in ``shm_root``, same host) or "redis" (shard bytes
+        as Redis values, any host). ``checksums=False`` skips the tile checksums (then readers
+        cannot verify what they read)."""
         if dtype not in DTYPES:
             raise ValueError(f"weight sync dtype {dtype!r} is not supported; allowed: {sorted(DTYPES)}")
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be >= 1")
+        if data_plane not in DATA_PLANES:
+            raise ValueError(f"weight sync data_plane {data_plane!r} is not supported; allowed: {list(DATA_PLANES)}")
         self.store = store
         self.shm_root = Path(shm_root)
         self.dtype = DTYPES[dtype]
         self.keep_last = keep_last
+        self.data_plane = data_plane
+        self.checksums = checksums
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int) -> dict:
         """Write and commit ``version``; returns timing and byte counts."""
@@ -99,31 +104,32 @@ class WeightPusher:
         world = dist.get_world_size() if distributed else 1
         out_dir = version_dir(self.shm_root, self.store.run, version)
         start = time.perf_counter()
+        if self.data_plane == "redis":
+            writer = RedisSafetensorsWriter(str(out_dir), self.store, version, checksums=self.checksums)
+        else:
+            writer = ShmSafetensorsWriter(str(out_dir), checksums=self.checksums)
         try:
             cast = {k: v.detach().to(self.dtype) for k, v in _without_aliases(state_dict).items()}
-            metadata = dcp.save(
-                cast,
-                storage_writer=ShmSafetensorsWriter(str(out_dir)),
-                no_dist=not distributed,
-            )
+            metadata = dcp.save(cast, storage_writer=writer, no_dist=not distributed)
             shapes = {fqn: list(md.size) for fqn, md in metadata.state_dict_metadata.items()}
-            mine = sorted(out_dir.glob(f"shard-{rank + 1:05d}-*.safetensors"))
-            entries: dict[str, TensorEntry] = {}
-            for file in mine:
-                entries.update(_entries_from_shard(file, shapes))
-            self.store.put_part(version, rank, entries)
+            self.store.put_part(version, rank, _entries(writer, shapes))
             if distributed:
                 dist.barrier()
             if rank == 0:
                 self.store.commit(version, world)
         except BaseException:
+            if self.data_plane == "redis":
+                self.store.drop_data(version, writer.keys)
             if rank == 0:
                 self.store.abort(version, world)
             shutil.rmtree(out_dir, ignore_errors=True)
             raise
-        written = sum(f.stat().st_size for f in mine)
         dropped = self.retire() if rank == 0 else []
-        return {"push_s": time.perf_counter() - start, "bytes_written": written, "dropped_versions": dropped}
+        return {
+            "push_s": time.perf_counter() - start,
+            "bytes_written": writer.shard_bytes,
+            "dropped_versions": dropped,
+        }
 
     def retire(self) -> list[int]:
         """Drop committed versions beyond ``keep_last`` that no policy replica holds."""
@@ -133,5 +139,7 @@ class WeightPusher:
         return dropped
 
     def remove_all(self) -> None:
-        """Remove this run's shared-memory directory (at the end of a run)."""
+        """Remove this run's shared-memory directory and Redis data keys (at the end of a run)."""
         shutil.rmtree(run_dir(self.shm_root, self.store.run), ignore_errors=True)
+        if self.data_plane == "redis":
+            self.store.drop_all_data()

@@ -1,40 +1,138 @@
-"""Read exactly the wanted boxes of stored tensors from a committed version.
+"""Read exactly the wanted boxes of stored tensors from a committed version, verifying checksums.
 
-A box of a global tensor is intersected with the version's stored chunks; each overlap is read
-from the chunk's safetensors file with ``get_slice`` on the mmap (only those bytes are touched)
-and copied into the destination view. Nothing is unpickled.
+A box of a global tensor is intersected with the version's stored chunks. Each overlap is read
+from where the chunk is stored: its shard file in shared memory (mmapped; only the touched pages
+are read) or its Redis values (exact ``GETRANGE`` byte ranges into a reused buffer, see
+``weightsync.redis_data``), and copied into the destination view. Nothing is unpickled.
+
+Integrity (``verify``, on by default): a chunk's tile checksums (``weightsync.checksum``) are
+checked for every tile the overlap touches before any of its bytes are copied; the rest of a
+tile the overlap covers in part is read too, and counted in the bytes read. A mismatch raises
+``ChecksumMismatch`` naming the version, tensor, chunk, tile and file or keys. Reads go in slabs
+of whole row blocks (a few MiB), so a slab is still in cache when it is copied after its check.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import mmap
+import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from weightsync.checksum import ChecksumMismatch, Grid, matrix_shape, region_hashes
 from weightsync.layout import Box
+from weightsync.redis_data import RawRedis, piece_ranges, tensor_view
 from weightsync.store import Chunk, TensorEntry
 
+SLAB_BYTES = 4 * 2**20
 
-class ShardFiles:
-    """Open safetensors handles for one version's shard files, opened once and reused."""
 
-    def __init__(self) -> None:
-        self._handles: dict[str, object] = {}
+class _ShardFile:
+    """One safetensors shard, mmapped (private, read-only use), with its parsed header."""
 
-    def handle(self, file: str):
-        h = self._handles.get(file)
-        if h is None:
-            if not Path(file).is_file():
-                raise FileNotFoundError(
-                    f"weight shard {file} is missing: the version was dropped or the trainer runs on "
-                    "another host (the shared-memory data plane needs the policy on the trainer's host)"
-                )
-            h = self._handles[file] = safe_open(file, framework="pt")
-        return h
+    def __init__(self, path: str) -> None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"weight shard {path} is missing: the version was dropped or the trainer runs on "
+                "another host (the shared-memory data plane needs the policy on the trainer's host; "
+                "push with data_plane='redis' to serve other hosts)"
+            )
+        self.path = path
+        with open(path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        (n,) = struct.unpack("<Q", self._mmap[:8])
+        self.header = json.loads(self._mmap[8 : 8 + n])
+        self.data_start = 8 + n
+        self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def chunk_start(self, fqn: str, sizes: list[int], nbytes: int) -> int:
+        meta = self.header.get(fqn)
+        if meta is None:
+            raise KeyError(f"weight shard {self.path} holds no tensor {fqn!r}")
+        start, stop = meta["data_offsets"]
+        if list(meta["shape"]) != list(sizes) or stop - start != nbytes:
+            raise ValueError(
+                f"weight shard {self.path}: {fqn!r} is stored with shape {meta['shape']} "
+                f"({stop - start} bytes), the index says {sizes} ({nbytes} bytes)"
+            )
+        return self.data_start + start
+
+
+class ChunkSource:
+    """Reads one version's chunks from shared-memory files or Redis; open once per update.
+
+    ``redis_url`` is needed only for chunks stored in Redis; ``version`` names the version in
+    error messages; ``verify=False`` skips the checksums (and the extra bytes of partial tiles).
+    """
+
+    def __init__(self, redis_url: str | None = None, version: int | None = None, verify: bool = True) -> None:
+        self.redis_url = redis_url
+        self.version = version
+        self.verify = verify
+        self.tiles_verified = 0
+        self._files: dict[str, _ShardFile] = {}
+        self._redis: RawRedis | None = None
+        self._staging = torch.empty(0, dtype=torch.uint8)
+
+    def _file(self, path: str) -> _ShardFile:
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = _ShardFile(path)
+        return f
+
+    def fetch(self, fqn: str, chunk: Chunk, elem: int, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """Stored bytes of the chunk's matrix rows x cols, as a uint8 ``(rows, cols * elem)`` tensor.
+
+        The result may be a view of a reused buffer: use it before the next ``fetch``.
+        """
+        _, ncols = matrix_shape(chunk.sizes)
+        row_bytes = ncols * elem
+        height, width = rows[1] - rows[0], (cols[1] - cols[0]) * elem
+        kind = chunk.location.get("kind")
+        if kind == "shm":
+            f = self._file(chunk.location["file"])
+            start = f.chunk_start(fqn, chunk.sizes, math.prod(chunk.sizes) * elem)
+            region = f.bytes[start + rows[0] * row_bytes : start + rows[1] * row_bytes]
+            return region.view(height, row_bytes)[:, cols[0] * elem : cols[1] * elem]
+        if kind == "redis":
+            n = height * width
+            if self._staging.numel() < n:
+                self._staging = torch.empty(n, dtype=torch.uint8)
+            if n:
+                self._redis_client().getrange_into(self._ranges(chunk, rows, cols, elem), tensor_view(self._staging, n))
+            return self._staging[:n].view(height, width)
+        raise ValueError(f"{fqn}: unknown chunk location {chunk.location!r}")
+
+    def _ranges(self, chunk: Chunk, rows: tuple[int, int], cols: tuple[int, int], elem: int) -> list:
+        _, ncols = matrix_shape(chunk.sizes)
+        row_bytes = ncols * elem
+        if cols == (0, ncols):  # whole rows: one contiguous range
+            return piece_ranges(chunk.location, rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes)
+        width = (cols[1] - cols[0]) * elem
+        return [r for i in range(*rows) for r in piece_ranges(chunk.location, i * row_bytes + cols[0] * elem, width)]
+
+    def _redis_client(self) -> RawRedis:
+        if self._redis is None:
+            if self.redis_url is None:
+                raise ValueError("chunks stored in Redis need ChunkSource(redis_url=...)")
+            self._redis = RawRedis(self.redis_url)
+        return self._redis
+
+    def where(self, chunk: Chunk, rows: tuple[int, int], cols: tuple[int, int], elem: int) -> str:
+        """Where the chunk's rows x cols are stored, for error messages."""
+        if chunk.location.get("kind") == "redis":
+            keys = sorted({key.decode() for key, _, _ in self._ranges(chunk, rows, cols, elem)})
+            return f"Redis key(s) {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+        return f"file {chunk.location.get('file')}"
 
     def close(self) -> None:
-        self._handles.clear()
+        self._files.clear()
+        if self._redis is not None:
+            self._redis.close()
+            self._redis = None
 
 
 def _overlap(box: Box, chunk: Chunk) -> Box | None:
@@ -47,28 +145,104 @@ def _overlap(box: Box, chunk: Chunk) -> Box | None:
     return tuple(out)
 
 
-def read_box(fqn: str, entry: TensorEntry, box: Box, dst: torch.Tensor, files: ShardFiles) -> int:
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 ``(rows, bytes)`` seen as ``dtype`` elements (copied first if misaligned)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    if raw.data_ptr() % elem:
+        raw = raw.clone()
+    return raw.view(dtype)
+
+
+def _read_part(
+    fqn: str, index: int, chunk: Chunk, local: Box, dtype: torch.dtype, dst: torch.Tensor, source: ChunkSource
+) -> int:
+    """Copy ``local`` (a box in the chunk's own coordinates) into ``dst``; returns bytes read."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    ndim = len(chunk.sizes)
+    _, ncols = matrix_shape(chunk.sizes)
+    if ndim == 0:
+        rows, cols = (0, 1), (0, 1)
+    elif ndim == 1:
+        rows, cols = (0, 1), local[0]
+    elif ndim == 2:
+        rows, cols = local[0], local[1]
+    else:  # rows of the matrix view, all their columns
+        rows, cols = local[0], (0, ncols)
+    check = source.verify and chunk.checksum is not None
+    if check:
+        grid, stored = Grid.from_json(chunk.checksum, chunk.sizes, elem)
+        tiles = grid.tiles_of(rows, cols)
+        region_rows, region_cols = grid.span(tiles)
+        unit = grid.block_rows
+    else:
+        region_rows, region_cols = rows, cols
+        unit = 1
+    row_bytes = max(1, (region_cols[1] - region_cols[0]) * elem)
+    step = unit * max(1, SLAB_BYTES // (row_bytes * unit))
+    nbytes = 0
+    for r0 in range(region_rows[0], region_rows[1], step):
+        r1 = min(r0 + step, region_rows[1])
+        raw = source.fetch(fqn, chunk, elem, (r0, r1), region_cols)
+        nbytes += raw.numel()
+        if check:
+            got = region_hashes(raw, grid)
+            k0 = r0 // grid.block_rows
+            want = stored[k0 : k0 + got.shape[0], tiles[1][0] : tiles[1][1]]
+            if not torch.equal(got, want):
+                raise ChecksumMismatch(_mismatch(fqn, index, chunk, grid, (k0, tiles[1][0]), got, want, source))
+            source.tiles_verified += got.numel()
+        p0, p1 = max(rows[0], r0), min(rows[1], r1)
+        if p0 >= p1:
+            continue
+        src = _typed(raw, dtype)
+        c0, c1 = cols[0] - region_cols[0], cols[1] - region_cols[0]
+        if ndim == 0:
+            dst.copy_(src.view(()))
+        elif ndim == 1:
+            dst.copy_(src[0, c0:c1])
+        elif ndim == 2:
+            dst[p0 - rows[0] : p1 - rows[0]].copy_(src[p0 - r0 : p1 - r0, c0:c1])
+        else:
+            inner = tuple(slice(lo, hi) for lo, hi in local[1:])
+            block = src.view(r1 - r0, *chunk.sizes[1:])[(slice(p0 - r0, p1 - r0), *inner)]
+            dst[p0 - rows[0] : p1 - rows[0]].copy_(block)
+    return nbytes
+
+
+def _mismatch(fqn, index, chunk, grid, first, got, want, source) -> str:
+    bad = (got != want).nonzero()[0].tolist()
+    k, m = first[0] + bad[0], first[1] + bad[1]
+    rows, cols = grid.span(((k, k + 1), (m, m + 1)))
+    version = "" if source.version is None else f"weight version {source.version}: "
+    return (
+        f"{version}checksum mismatch in tensor {fqn!r}, chunk {index} (offsets {chunk.offsets}, sizes "
+        f"{chunk.sizes}), tile rows {rows[0]}:{rows[1]} x cols {cols[0]}:{cols[1]}, stored in "
+        f"{source.where(chunk, rows, cols, grid.elem)}: expected {int(want[tuple(bad)]) & (2**64 - 1):#018x}, "
+        f"read {int(got[tuple(bad)]) & (2**64 - 1):#018x}. The stored bytes are corrupt: push the version "
+        "again or update to another one (until an update succeeds, this worker may hold mixed versions)."
+    )
+
+
+def read_box(fqn: str, entry: TensorEntry, box: Box, dst: torch.Tensor, source: ChunkSource) -> int:
     """Copy ``box`` of the stored global tensor ``fqn`` into ``dst`` (shaped like the box).
 
-    Returns the number of bytes read. Raises if the stored chunks do not cover the box.
+    Returns the number of bytes read (with verification: including the rest of partly covered
+    tiles). Raises if the stored chunks do not cover the box, or on a checksum mismatch.
     """
     if len(box) != len(entry.shape) or any(hi > n for (_, hi), n in zip(box, entry.shape)):
         raise ValueError(f"{fqn}: wanted box {box} does not fit the stored shape {entry.shape}")
+    dtype = getattr(torch, entry.dtype)
     covered = 0
     nbytes = 0
-    for chunk in entry.chunks:
+    for index, chunk in enumerate(entry.chunks):
         part = _overlap(box, chunk)
         if part is None:
             continue
-        src = tuple(slice(lo - off, hi - off) for (lo, hi), off in zip(part, chunk.offsets))
+        local = tuple((lo - off, hi - off) for (lo, hi), off in zip(part, chunk.offsets))
         dst_idx = tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(part, box))
-        data = files.handle(chunk.location["file"]).get_slice(fqn)[src]
-        dst[dst_idx].copy_(data)
-        covered += data.numel()
-        nbytes += data.numel() * data.element_size()
-    expected = 1
-    for lo, hi in box:
-        expected *= hi - lo
+        nbytes += _read_part(fqn, index, chunk, local, dtype, dst[dst_idx], source)
+        covered += math.prod(hi - lo for lo, hi in part)
+    expected = math.prod(hi - lo for lo, hi in box)
     if covered != expected:
         raise RuntimeError(f"{fqn}: stored chunks cover {covered} of the {expected} wanted elements of box {box}")
     return nbytes

@@ -7,6 +7,9 @@ Keys, for a run ``R`` and version ``v``:
 - ``ws:R:versions``          sorted set of committed versions
 - ``ws:R:latest``            the newest committed version
 - ``ws:R:v{v}:leases``       set of holders (policy replicas) that pin version ``v``
+- ``ws:R:v{v}:data``         set of the Redis data-plane keys that hold ``v``'s shard bytes
+  (``ws:R:v{v}:data:{rank}:{piece}``, see ``weightsync.redis_data``); registered before they are
+  written, deleted with the version (by ``retire``, or by ``abort`` for a failed push)
 
 A version becomes visible only through ``commit``, which writes its index, adds it to
 ``versions`` and moves ``latest`` in one MULTI/EXEC transaction, and only once every rank's part
@@ -27,7 +30,10 @@ class Chunk:
 
     offsets: list[int]
     sizes: list[int]
-    location: dict  # {"kind": "shm", "file": "/dev/shm/..."}; the stored name equals the fqn
+    # {"kind": "shm", "file": "/dev/shm/..."} (the stored name equals the fqn) or
+    # {"kind": "redis", "key": "ws:R:v3:data:0", "piece_bytes": ..., "offset": ...}
+    location: dict
+    checksum: dict | None = None  # tile checksums, see weightsync.checksum
 
 
 @dataclass(frozen=True)
@@ -41,15 +47,24 @@ def _entry_to_json(entry: TensorEntry) -> dict:
     return {
         "dtype": entry.dtype,
         "shape": entry.shape,
-        "chunks": [{"offsets": c.offsets, "sizes": c.sizes, "location": c.location} for c in entry.chunks],
+        "chunks": [_chunk_to_json(c) for c in entry.chunks],
     }
+
+
+def _chunk_to_json(chunk: Chunk) -> dict:
+    out = {"offsets": chunk.offsets, "sizes": chunk.sizes, "location": chunk.location}
+    if chunk.checksum is not None:
+        out["checksum"] = chunk.checksum
+    return out
 
 
 def _entry_from_json(raw: dict) -> TensorEntry:
     return TensorEntry(
         dtype=raw["dtype"],
         shape=list(raw["shape"]),
-        chunks=[Chunk(list(c["offsets"]), list(c["sizes"]), dict(c["location"])) for c in raw["chunks"]],
+        chunks=[
+            Chunk(list(c["offsets"]), list(c["sizes"]), dict(c["location"]), c.get("checksum")) for c in raw["chunks"]
+        ],
     )
 
 
@@ -67,8 +82,22 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """
 
+# Deletes the data keys registered in the set KEYS[1]... and the set (in batches: Lua's unpack
+# has a stack limit).
+_DROP_DATA_LUA = """
+local function drop_data(set)
+  local keys = redis.call('SMEMBERS', set)
+  for i = 1, #keys, 1000 do
+    redis.call('DEL', unpack(keys, i, math.min(i + 999, #keys)))
+  end
+  redis.call('DEL', set)
+end
+"""
+
 # KEYS: versions zset; ARGV: keep_last, key prefix. Returns the dropped versions.
-_RETIRE_LUA = """
+_RETIRE_LUA = (
+    _DROP_DATA_LUA
+    + """
 local versions = redis.call('ZRANGE', KEYS[1], 0, -1)
 local dropped = {}
 for i = 1, #versions - tonumber(ARGV[1]) do
@@ -77,11 +106,23 @@ for i = 1, #versions - tonumber(ARGV[1]) do
   if redis.call('SCARD', leases) == 0 then
     redis.call('ZREM', KEYS[1], v)
     redis.call('DEL', ARGV[2] .. 'v' .. v .. ':index', leases)
+    drop_data(ARGV[2] .. 'v' .. v .. ':data')
     table.insert(dropped, v)
   end
 end
 return dropped
 """
+)
+
+# KEYS: part keys; ARGV: the version's data set. Forgets an uncommitted version.
+_ABORT_LUA = (
+    _DROP_DATA_LUA
+    + """
+if #KEYS > 0 then redis.call('DEL', unpack(KEYS)) end
+drop_data(ARGV[1])
+return 1
+"""
+)
 
 
 class WeightStore:
@@ -95,6 +136,7 @@ class WeightStore:
         # run prefix, which a single Redis instance allows (Redis Cluster would need hash tags).
         self._lease_script = self._r.register_script(_LEASE_LUA)
         self._retire_script = self._r.register_script(_RETIRE_LUA)
+        self._abort_script = self._r.register_script(_ABORT_LUA)
 
     def _key(self, *parts: object) -> str:
         return ":".join(["ws", self.run, *map(str, parts)])
@@ -131,8 +173,36 @@ class WeightStore:
         return {fqn: _entry_from_json(e) for fqn, e in merged.items()}
 
     def abort(self, version: int, world_size: int) -> None:
-        """Forget an uncommitted version's parts (the data plane cleans up its own files)."""
-        self._r.delete(*[self._key(f"v{version}", f"part:{rank}") for rank in range(world_size)])
+        """Forget an uncommitted version: its parts and its Redis data keys (files are the caller's)."""
+        parts = [self._key(f"v{version}", f"part:{rank}") for rank in range(world_size)]
+        self._abort_script(keys=parts, args=[self._key(f"v{version}", "data")])
+
+    # -- Redis data plane ----------------------------------------------------------------------
+
+    def data_prefix(self, version: int, rank: int) -> str:
+        """Key prefix of one rank's shard bytes for ``version`` (pieces are ``{prefix}:{i}``)."""
+        return self._key(f"v{version}", "data", rank)
+
+    def register_data(self, version: int, keys: list[str]) -> None:
+        """Record data keys of ``version`` before writing them, so that retire/abort delete them."""
+        if keys:
+            self._r.sadd(self._key(f"v{version}", "data"), *keys)
+
+    def drop_data(self, version: int, keys: list[str]) -> None:
+        """Delete some of ``version``'s data keys (one rank's, after its push failed)."""
+        if keys:
+            pipe = self._r.pipeline(transaction=True)
+            pipe.delete(*keys)
+            pipe.srem(self._key(f"v{version}", "data"), *keys)
+            pipe.execute()
+
+    def drop_all_data(self) -> None:
+        """Delete every version's Redis data keys of this run (at the end of a run)."""
+        for data_set in self._r.scan_iter(match=self._key("v*", "data"), count=1000):
+            keys = list(self._r.smembers(data_set))
+            for i in range(0, len(keys), 1000):
+                self._r.delete(*keys[i : i + 1000])
+            self._r.delete(data_set)
 
     # -- reader side ---------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from weightsync.layout import TIED_ALIASES, pieces_for
-from weightsync.reader import ShardFiles, read_box
+from weightsync.reader import ChunkSource, read_box
 from weightsync.store import TensorEntry, WeightStore
 
 
@@ -64,15 +64,19 @@ class WeightSyncExtension:
             out.append((name, param, layer, owners))
         return out
 
-    def update_weights_from_store(self, redis_url: str, run: str, version: int) -> dict:
-        """Copy ``version``'s weights into this worker's parameters, slice by slice."""
+    def update_weights_from_store(self, redis_url: str, run: str, version: int, verify: bool = True) -> dict:
+        """Copy ``version``'s weights into this worker's parameters, slice by slice.
+
+        Chunks are read from where the index says (shared-memory files or Redis values at
+        ``redis_url``); ``verify`` checks the tile checksums of every byte read before copying it.
+        """
         start = time.perf_counter()
         store = WeightStore(redis_url, run)
         try:
             index = store.index(version)
         finally:
             store.close()
-        files = ShardFiles()
+        files = ChunkSource(redis_url, version, verify)
         nbytes = 0
         repack = []
         on_cpu = _is_cpu()
@@ -95,7 +99,13 @@ class WeightSyncExtension:
                 seen.add(id(layer))
                 method.process_weights_after_loading(layer)
         end = time.perf_counter()
-        return {"bytes_read": nbytes, "update_s": end - start, "copy_s": copied - start, "repack_s": end - copied}
+        return {
+            "bytes_read": nbytes,
+            "tiles_verified": files.tiles_verified,
+            "update_s": end - start,
+            "copy_s": copied - start,
+            "repack_s": end - copied,
+        }
 
     def resident_bytes(self) -> int:
         """This worker's resident memory (the benchmark watches it grow during an update)."""

@@ -1,0 +1,168 @@
+"""The Redis data plane (real redis-server): shard bytes as Redis values, read by byte ranges."""
+
+import random
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from weightsync import redis_data
+from weightsync.checksum import ChecksumMismatch
+from weightsync.push import WeightPusher, run_dir
+from weightsync.reader import ChunkSource, read_box
+from weightsync.redis_data import RawRedis
+from weightsync.store import WeightStore
+
+
+@pytest.fixture
+def store(redis_url):
+    s = WeightStore(redis_url, f"t-{uuid.uuid4().hex[:8]}")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client(redis_url):
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def shm_root():
+    root = Path(tempfile.mkdtemp(prefix="ws-test-", dir="/dev/shm"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _state_dict(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(40, 64, generator=g)
+    return {
+        "model.embed_tokens.weight": emb,
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(48, 128, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(96, 64, generator=g),
+        "model.norm.weight": torch.randn(64, generator=g),
+        "odd.weight": torch.randn(5, 3, generator=g),
+        "lm_head.weight": emb,
+    }
+
+
+def _keys(client, run) -> set[str]:
+    return {k.decode() for k in client.scan_iter(match=f"ws:{run}:*", count=1000)}
+
+
+def _data_keys(client, run, version) -> set[str]:
+    return {k for k in _keys(client, run) if k.startswith(f"ws:{run}:v{version}:data:")}
+
+
+def test_redis_push_stores_the_shard_bytes_and_reads_equal_slicing(store, client, shm_root, monkeypatch, redis_url):
+    # Small pieces, so that ranges cross piece boundaries everywhere.
+    monkeypatch.setattr(redis_data, "PIECE_BYTES", 1000)
+    sd = _state_dict()
+    stats = WeightPusher(store, shm_root=shm_root, data_plane="redis").push(sd, version=1)
+    assert not run_dir(shm_root, store.run).exists()  # nothing in shared memory
+    index = store.index(1)
+    locations = [c.location for e in index.values() for c in e.chunks]
+    assert {loc["kind"] for loc in locations} == {"redis"} and all(loc["piece_bytes"] == 1000 for loc in locations)
+    pieces = sorted(_data_keys(client, store.run, 1), key=lambda k: int(k.rsplit(":", 1)[1]))
+    assert len(pieces) == -(-stats["bytes_written"] // 1000)
+    assert all(client.strlen(k) <= 1000 for k in pieces)
+    # The values are the shard file's bytes: the same push through shared memory gives them.
+    WeightPusher(store, shm_root=shm_root).push(sd, version=2)
+    file = store.index(2)["odd.weight"].chunks[0].location["file"]
+    assert b"".join(client.get(k) for k in pieces) == Path(file).read_bytes()
+
+    source, rng = ChunkSource(redis_url, version=1), random.Random(0)
+    for _ in range(80):
+        name = rng.choice(sorted(index))
+        box = []
+        for n in index[name].shape:
+            lo = rng.randrange(n)
+            box.append((lo, rng.randrange(lo + 1, n + 1)))
+        expected = sd[name][tuple(slice(lo, hi) for lo, hi in box)]
+        out = torch.empty(expected.shape)
+        read_box(name, index[name], tuple(box), out, source)
+        assert torch.equal(out, expected)
+    source.close()
+
+
+def test_a_corrupt_redis_value_is_a_clear_error(store, client, shm_root, redis_url):
+    sd = _state_dict()
+    WeightPusher(store, shm_root=shm_root, data_plane="redis").push(sd, version=3)
+    fqn = "model.layers.0.mlp.up_proj.weight"
+    chunk = store.index(3)[fqn].chunks[0]
+    offset = chunk.location["offset"] + (50 * 64 + 10) * 4  # element [50, 10]
+    key = f"{chunk.location['key']}:{offset // chunk.location['piece_bytes']}"
+    within = offset % chunk.location["piece_bytes"]
+    byte = client.getrange(key, within, within)
+    client.setrange(key, within, bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ChecksumMismatch) as err:
+        read_box(fqn, store.index(3)[fqn], ((0, 96), (0, 64)), torch.empty(96, 64), ChunkSource(redis_url, 3))
+    assert fqn in str(err.value) and "weight version 3" in str(err.value) and key in str(err.value)
+
+
+def test_retire_deletes_the_data_keys_with_the_version(store, client, shm_root):
+    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1, data_plane="redis")
+    pusher.push(_state_dict(1), 1)
+    store.lease(1, "policy-0")
+    pusher.push(_state_dict(2), 2)
+    pusher.push(_state_dict(3), 3)
+    assert store.versions() == [1, 3]  # 2 retired; 1 is leased
+    assert not _data_keys(client, store.run, 2) and not client.exists(f"ws:{store.run}:v2:data")
+    assert _data_keys(client, store.run, 1) and _data_keys(client, store.run, 3)
+    store.lease(3, "policy-0")  # releases 1
+    pusher.push(_state_dict(4), 4)
+    assert store.versions() == [3, 4] and not _data_keys(client, store.run, 1)
+    pusher.remove_all()
+    assert not any(":data" in k for k in _keys(client, store.run))
+
+
+def test_a_failed_redis_push_leaves_no_keys(store, client, shm_root, monkeypatch):
+    def fail(*args, **kwargs):
+        assert _data_keys(client, store.run, 1)  # the values are written by then
+        raise ConnectionError("control plane went away")
+
+    monkeypatch.setattr(store, "put_part", fail)
+    with pytest.raises(ConnectionError):
+        WeightPusher(store, shm_root=shm_root, data_plane="redis").push(_state_dict(), version=1)
+    assert _keys(client, store.run) == set()
+    assert store.versions() == [] and store.latest() is None
+
+
+def test_reading_a_retired_version_from_redis_is_a_clear_error(store, shm_root, redis_url):
+    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1, data_plane="redis")
+    pusher.push(_state_dict(1), 1)
+    entry = store.index(1)["model.norm.weight"]
+    pusher.push(_state_dict(2), 2)  # retires 1
+    with pytest.raises(redis.RedisError, match="is missing or short.*was dropped"):
+        read_box("model.norm.weight", entry, ((0, 64),), torch.empty(64), ChunkSource(redis_url, 1))
+
+
+def test_raw_redis_round_trips_pipelined_values_into_buffers(redis_url, client):
+    rng = random.Random(0)
+    values = [bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 7, 3000, 70000]))) for _ in range(30)]
+    keys = [f"rawtest:{uuid.uuid4().hex}:{i}" for i in range(len(values))]
+    raw = RawRedis(redis_url)
+    try:
+        raw.set_pieces(keys, [[v[: len(v) // 2], memoryview(v)[len(v) // 2 :]] for v in values])
+        assert [client.get(k) for k in keys] == values
+        ranges, expected = [], b""
+        for k, v in zip(keys, values):
+            if v:
+                lo = rng.randrange(len(v))
+                hi = rng.randrange(lo + 1, len(v) + 1)
+                ranges.append((k.encode(), lo, hi - lo))
+                expected += v[lo:hi]
+        out = bytearray(len(expected))
+        raw.getrange_into(ranges, memoryview(out))
+        assert bytes(out) == expected
+        with pytest.raises(redis.RedisError):
+            raw.getrange_into([(b"rawtest:missing", 0, 10)], memoryview(bytearray(10)))
+    finally:
+        raw.close()
+        client.delete(*keys)
