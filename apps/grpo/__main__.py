@@ -44,13 +44,57 @@ def resolve_model_path(cfg) -> str:
         raise ConfigError(str(e)) from e
 
 
-def prepare_output_dir(cfg) -> Path:
+def check_output_dir(cfg) -> Path:
+    """The run's output folder; for ``resume=true`` it must hold a complete checkpoint."""
+    from checkpointing.folders import CheckpointError, newest_checkpoint
+
     out = Path(cfg.output_dir) / cfg.run_name
-    if out.exists() and not cfg.overwrite:
+    if cfg.resume:
+        if cfg.overwrite:
+            raise ConfigError("resume=true continues outputs/<run_name>; overwrite=true would delete it: pass one")
+        if not out.is_dir():
+            raise ConfigError(f"resume=true: there is no run folder {out}; pass the run_name of the run to continue")
+        try:
+            newest_checkpoint(out / "checkpoints")
+        except CheckpointError as e:
+            raise ConfigError(f"resume=true: {e}") from e
+    elif out.exists() and not cfg.overwrite:
         raise ConfigError(
-            f"output folder {out} already exists; choose another run_name=..., or pass overwrite=true to replace it"
+            f"output folder {out} already exists; choose another run_name=..., pass overwrite=true to replace it, "
+            "or resume=true to continue it from its newest checkpoint"
         )
+    return out
+
+
+def prepare_output_dir(cfg, out: Path) -> None:
+    if out.exists() and cfg.overwrite:
+        shutil.rmtree(out)  # replace: no metrics or checkpoints of the old run may survive
     out.mkdir(parents=True, exist_ok=True)
+
+
+def write_config(cfg, out: Path, resolved: dict, console) -> None:
+    """``config.yaml`` holds the run's resolved config; a resume keeps it and says what changed."""
+    path = out / "config.yaml"
+    if cfg.resume and path.exists():
+        before = OmegaConf.to_container(OmegaConf.load(path))
+        changed = sorted(_changed_keys(before, resolved) - {"resume", "steps", "overwrite"})
+        if changed:
+            console.print(f"[yellow]warning:[/] resuming with changed config keys: {changed}")
+        (out / f"config.resume-{len(list(out.glob('config.resume-*.yaml'))) + 1}.yaml").write_text(
+            OmegaConf.to_yaml(resolved)
+        )
+        return
+    path.write_text(OmegaConf.to_yaml(resolved))
+
+
+def _changed_keys(a: dict, b: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key in set(a) | set(b):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out |= _changed_keys(x, y, f"{prefix}{key}.")
+        elif x != y:
+            out.add(f"{prefix}{key}")
     return out
 
 
@@ -59,7 +103,7 @@ def run(cfg, console: Console) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from apps.grpo.loop import run_grpo, start_actors
+    from apps.grpo.loop import resume_from_checkpoint, run_grpo, start_actors
     from tasks.arithmetic import ArithmeticTask
     from weightsync.push import run_dir
     from weightsync.redis_server import LocalRedis, check_redis
@@ -79,11 +123,12 @@ def run(cfg, console: Console) -> dict:
             redis_url = cfg.redis.url
         else:
             redis_url = stack.enter_context(LocalRedis()).url
-        out_dir = prepare_output_dir(cfg)
+        out_dir = check_output_dir(cfg)
+        prepare_output_dir(cfg, out_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["path"] = model_path
         resolved["policy"]["dtype"] = policy_dtype
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        write_config(cfg, out_dir, resolved, console)
         console.print(f"run {cfg.run_name}: model {model_path}, outputs in {out_dir}")
 
         ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=cfg.ray.log_to_driver)
@@ -98,9 +143,9 @@ def run(cfg, console: Console) -> dict:
         actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda)
         stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        result = run_grpo(cfg, actors, task, tokenizer, out_dir, console)
-        hf_dir = ray.get(actors.trainer.save_hf.remote(str((out_dir / "hf").resolve())))
-        result["hf_dir"] = hf_dir
+        state = resume_from_checkpoint(actors, out_dir, console) if cfg.resume else None
+        result = run_grpo(cfg, actors, task, tokenizer, out_dir, console, resume=state)
+        result["hf_dir"] = actors.trainer.export_hf(str((out_dir / "hf").resolve()))
     return result
 
 
@@ -112,12 +157,14 @@ def _interrupt(signum, frame) -> None:
 def main(cfg) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     console = Console(soft_wrap=True)
+    from checkpointing.folders import CheckpointError
     from weightsync.redis_server import RedisUnavailable
 
     try:
         result = run(cfg, console)
-    except (ConfigError, RedisUnavailable) as e:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
+    except (ConfigError, RedisUnavailable, CheckpointError) as e:
+        cause = getattr(e, "cause", None) or e  # an actor's error arrives wrapped with its traceback
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {cause}", markup=True, highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         out = f"{cfg.output_dir}/{cfg.run_name}"

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 POLICY_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 KL_MODES = ("loss", "reward")
 
 
@@ -39,11 +40,16 @@ class PolicyConfig:
 
 @dataclass
 class TrainerConfig:
+    ranks: int = MISSING
     lr: float = MISSING
+    lr_schedule: str = MISSING
+    min_lr_ratio: float = MISSING
     warmup_steps: int = MISSING
     weight_decay: float = MISSING
     max_grad_norm: float = MISSING
     micro_batch_size: int | None = MISSING
+    param_dtype: str = MISSING
+    reduce_dtype: str = MISSING
     torch_threads: int = MISSING
 
 
@@ -89,10 +95,18 @@ class WeightSyncConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = MISSING
+    keep_last: int = MISSING
+    async_save: bool = MISSING
+
+
+@dataclass
 class GRPOConfig:
     run_name: str = MISSING
     output_dir: str = MISSING
     overwrite: bool = MISSING
+    resume: bool = MISSING
     steps: int = MISSING
     prompts_per_step: int = MISSING
     eval_every: int = MISSING
@@ -105,6 +119,7 @@ class GRPOConfig:
     redis: RedisConfig = field(default_factory=RedisConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def register() -> None:
@@ -157,6 +172,7 @@ def check_override_keys(args: list[str]) -> None:
 def validate(cfg) -> None:
     """Check values that the types alone do not; the message names the key and what is allowed."""
     from algos.grpo import KL_ESTIMATORS, LOSS_AGGREGATIONS  # imports torch: not at module level
+    from algos.schedule import LR_SCHEDULES
 
     checks = [
         (cfg.steps >= 1, "steps", "an integer >= 1"),
@@ -167,7 +183,12 @@ def validate(cfg) -> None:
         (cfg.policy.temperature > 0, "policy.temperature", "a number > 0"),
         (cfg.policy.max_tokens >= 1, "policy.max_tokens", "an integer >= 1"),
         (cfg.policy.kv_cache_mib >= 1, "policy.kv_cache_mib", "an integer >= 1"),
+        (cfg.trainer.ranks >= 1, "trainer.ranks", "an integer >= 1"),
         (cfg.trainer.lr > 0, "trainer.lr", "a number > 0"),
+        (cfg.trainer.lr_schedule in LR_SCHEDULES, "trainer.lr_schedule", f"one of {list(LR_SCHEDULES)}"),
+        (0 <= cfg.trainer.min_lr_ratio <= 1, "trainer.min_lr_ratio", "a number within [0, 1]"),
+        (cfg.trainer.param_dtype in TRAIN_DTYPES, "trainer.param_dtype", f"one of {list(TRAIN_DTYPES)}"),
+        (cfg.trainer.reduce_dtype in TRAIN_DTYPES, "trainer.reduce_dtype", f"one of {list(TRAIN_DTYPES)}"),
         (cfg.trainer.warmup_steps >= 0, "trainer.warmup_steps", "an integer >= 0"),
         (cfg.trainer.max_grad_norm > 0, "trainer.max_grad_norm", "a number > 0"),
         (
@@ -191,6 +212,8 @@ def validate(cfg) -> None:
         (cfg.algo.tis_cap is None or cfg.algo.tis_cap > 0, "algo.tis_cap", "null (off) or a number > 0"),
         (cfg.algo.max_staleness >= 0, "algo.max_staleness", "an integer >= 0"),
         (cfg.weightsync.keep_last >= 1, "weightsync.keep_last", "an integer >= 1"),
+        (cfg.checkpoint.every >= 0, "checkpoint.every", "an integer >= 0 (0: no checkpoints)"),
+        (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "an integer >= 1"),
         (bool(str(cfg.run_name).strip()) and "/" not in str(cfg.run_name), "run_name", "a non-empty name without '/'"),
     ]
     for ok, key, allowed in checks:

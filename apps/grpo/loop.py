@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,15 +16,16 @@ from actors.policy import Policy, Sample
 from actors.reference import Reference
 from actors.replay import ReplayBuffer
 from actors.reward import Reward
-from actors.trainer import Trainer
+from actors.trainer_group import TrainerGroup
 from algos.episodes import Episode, assign_advantages
+from checkpointing import folders
 from tasks.arithmetic import ArithmeticTask, Problem
 
 
 @dataclass
 class Actors:
     policy: ray.actor.ActorHandle
-    trainer: ray.actor.ActorHandle
+    trainer: TrainerGroup
     reward: ray.actor.ActorHandle
     replay: ray.actor.ActorHandle
     reference: ray.actor.ActorHandle | None
@@ -42,16 +45,23 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         seed=cfg.seed,
         omp_threads_bind=cfg.policy.omp_threads_bind,
     )
-    trainer = Trainer.remote(
+    trainer = TrainerGroup(
+        cfg.trainer.ranks,
         model_path,
         redis_url,
         run,
+        use_cuda=use_cuda,
+        micro_batch_size=cfg.trainer.micro_batch_size,
         lr=cfg.trainer.lr,
+        lr_schedule=cfg.trainer.lr_schedule,
+        total_steps=cfg.steps,
         warmup_steps=cfg.trainer.warmup_steps,
+        min_lr_ratio=cfg.trainer.min_lr_ratio,
         weight_decay=cfg.trainer.weight_decay,
         max_grad_norm=cfg.trainer.max_grad_norm,
         loss=loss_options(cfg.algo, cfg.policy.max_tokens),
-        micro_batch_size=cfg.trainer.micro_batch_size,
+        param_dtype=cfg.trainer.param_dtype,
+        reduce_dtype=cfg.trainer.reduce_dtype,
         seed=cfg.seed,
         torch_threads=cfg.trainer.torch_threads,
         shm_root=cfg.weightsync.shm_root,
@@ -63,8 +73,73 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         policy, trainer, Reward.remote(cfg.task.format_reward), ReplayBuffer.remote(cfg.algo.max_staleness), reference
     )
     # Surface a failed start (bad model, vLLM error) here rather than at the first call.
-    ray.get([a.__ray_ready__.remote() for a in (policy, trainer, reference) if a is not None])
+    ray.get([a.__ray_ready__.remote() for a in (policy, *trainer.ranks, reference) if a is not None])
+    trainer.start()
     return actors
+
+
+@dataclass
+class LoopState:
+    """The controller's part of a checkpoint: where the run is (the trainer saves its own part).
+
+    The replay buffer is empty between steps (each step takes all it added) and rollout seeds
+    derive from ``seed`` and the step, so these few numbers are all the controller needs.
+    """
+
+    step: int  # the next step to run
+    data_cursor: int  # train batches consumed
+    policy_version: int
+    eval_accuracy_start: float
+    last_eval: float
+
+    @staticmethod
+    def load(folder: Path) -> LoopState:
+        try:
+            return LoopState(**json.loads((folder / folders.LOOP_STATE).read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise folders.CheckpointError(f"checkpoint {folder} has no valid {folders.LOOP_STATE}: {e}") from e
+
+
+class Checkpointer:
+    """Saves checkpoints every ``checkpoint.every`` steps into ``<out>/checkpoints``; keeps the last K.
+
+    Each is written under a temporary name and published by a rename once the trainer ranks'
+    shards and the loop state are on disk (with ``async_save``, at a later step boundary).
+    """
+
+    def __init__(self, cfg, out_dir: Path, trainer: TrainerGroup, console) -> None:
+        self.every, self.keep_last, self.async_save = cfg.every, cfg.keep_last, cfg.async_save
+        self.root = out_dir / "checkpoints"
+        self.trainer = trainer
+        self.console = console
+        self.pending: tuple[Path, Path] | None = None
+
+    def due(self, step_done: int, last: bool) -> bool:
+        return self.every > 0 and (step_done % self.every == 0 or last)
+
+    def save(self, state: LoopState) -> None:
+        self.finish()
+        tmp, final = folders.tmp_dir(self.root, state.step), folders.final_dir(self.root, state.step)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        t0 = time.perf_counter()
+        self.trainer.save_checkpoint(str(tmp.resolve()), self.async_save)
+        (tmp / folders.LOOP_STATE).write_text(json.dumps(dataclasses.asdict(state)))
+        self.pending = (tmp, final)
+        if not self.async_save:
+            self.finish()
+            self.console.print(f"checkpoint {final} saved in {time.perf_counter() - t0:.1f}s")
+
+    def finish(self) -> None:
+        """Wait for a pending save, publish it, and drop checkpoints beyond ``keep_last``."""
+        if self.pending is None:
+            return
+        tmp, final = self.pending
+        self.pending = None
+        self.trainer.wait_for_checkpoint()
+        folders.publish(tmp, final)
+        folders.prune(self.root, self.keep_last)
 
 
 def evaluate(actors: Actors, problems: list[Problem], max_tokens: int) -> float:
@@ -95,15 +170,47 @@ def loss_options(algo, max_tokens: int) -> dict:
     }
 
 
-def run_grpo(cfg, actors: Actors, task: ArithmeticTask, tokenizer, out_dir: Path, console) -> dict:
-    """Train for ``cfg.steps`` steps; append one JSON line per step to ``metrics.jsonl``."""
+def resume_from_checkpoint(actors: Actors, out_dir: Path, console) -> LoopState:
+    """Load the newest complete checkpoint into the trainer and give the policy its weights."""
+    root = out_dir / "checkpoints"
+    for partial in folders.remove_partial(root):
+        console.print(f"removed unfinished checkpoint {partial}")
+    step, folder = folders.newest_checkpoint(root)
+    state = LoopState.load(folder)
+    actors.trainer.load_checkpoint(str(folder.resolve()))
+    actors.trainer.push_weights(state.policy_version)
+    ray.get(actors.policy.update_weights.remote(state.policy_version))
+    console.print(f"resumed from {folder} (step {step}, policy version {state.policy_version})")
+    return state
+
+
+def _keep_metrics_before(path: Path, step: int) -> None:
+    """Drop the metric rows of steps a resumed run will redo (and a previous final line)."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in rows if not json.loads(line).get("final") and json.loads(line)["step"] < step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def run_grpo(
+    cfg, actors: Actors, task: ArithmeticTask, tokenizer, out_dir: Path, console, resume: LoopState | None = None
+) -> dict:
+    """Train up to step ``cfg.steps``; append one JSON line per step to ``metrics.jsonl``."""
     G = cfg.algo.group_size
-    batches = task.train_batches(cfg.prompts_per_step)
-    version = 0
     eval_problems = task.eval_problems
-    first_eval = evaluate(actors, eval_problems, cfg.policy.max_tokens)
-    console.print(f"eval accuracy before training: {first_eval:.3f} on {len(eval_problems)} held-out problems")
-    last_eval = first_eval
+    checkpointer = Checkpointer(cfg.checkpoint, out_dir, actors.trainer, console)
+    if resume is None:
+        start, cursor, version = 0, 0, 0
+        first_eval = evaluate(actors, eval_problems, cfg.policy.max_tokens)
+        console.print(f"eval accuracy before training: {first_eval:.3f} on {len(eval_problems)} held-out problems")
+        last_eval = first_eval
+    else:
+        start, cursor, version = resume.step, resume.data_cursor, resume.policy_version
+        first_eval, last_eval = resume.eval_accuracy_start, resume.last_eval
+    batches = task.train_batches(cfg.prompts_per_step, start=cursor)
+    metrics_path = out_dir / "metrics.jsonl"
+    _keep_metrics_before(metrics_path, start)
     columns = [
         TextColumn("[bold]GRPO"),
         BarColumn(),
@@ -111,9 +218,9 @@ def run_grpo(cfg, actors: Actors, task: ArithmeticTask, tokenizer, out_dir: Path
         TimeElapsedColumn(),
         TextColumn("reward {task.fields[reward]:.3f}  eval {task.fields[eval]:.3f}  Δlogp {task.fields[diff]:.1e}"),
     ]
-    with open(out_dir / "metrics.jsonl", "w") as metrics_file, Progress(*columns, console=console) as progress:
-        bar = progress.add_task("grpo", total=cfg.steps, reward=0.0, eval=first_eval, diff=0.0)
-        for step in range(cfg.steps):
+    with open(metrics_path, "a") as metrics_file, Progress(*columns, console=console) as progress:
+        bar = progress.add_task("grpo", total=cfg.steps, completed=start, reward=0.0, eval=last_eval, diff=0.0)
+        for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             row: dict = {"step": step}
             if step == 0:
@@ -123,6 +230,7 @@ def run_grpo(cfg, actors: Actors, task: ArithmeticTask, tokenizer, out_dir: Path
 
             # 1-2. Prompts -> G completions each, with their logprobs and the policy version.
             problems = next(batches)
+            cursor += 1
             t_gen = time.perf_counter()
             sample_seed = (cfg.seed * 1_000_003 + step) * len(problems) * G  # disjoint seed ranges per step
             samples, rollout_version = ray.get(
@@ -160,12 +268,12 @@ def run_grpo(cfg, actors: Actors, task: ArithmeticTask, tokenizer, out_dir: Path
             batch = ray.get(actors.replay.take.remote(version))
 
             # 6. Train.
-            train = ray.get(actors.trainer.train_step.remote(batch))
+            train = actors.trainer.train_step(batch)
 
             # 7-8. Push the new weights through the store; the policy loads them in place.
             t_sync = time.perf_counter()
             version += 1
-            push = ray.get(actors.trainer.push_weights.remote(version))
+            push = actors.trainer.push_weights(version)
             update = ray.get(actors.policy.update_weights.remote(version))
             sync_s = time.perf_counter() - t_sync
 
@@ -190,6 +298,8 @@ def run_grpo(cfg, actors: Actors, task: ArithmeticTask, tokenizer, out_dir: Path
             )
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
+            if checkpointer.due(step + 1, last=step + 1 == cfg.steps):
+                checkpointer.save(LoopState(step + 1, cursor, version, first_eval, last_eval))
             progress.update(bar, advance=1, reward=row["reward_mean"], eval=last_eval, diff=row["logprob_diff_mean"])
             if not console.is_terminal and (step % 10 == 0 or step == cfg.steps - 1):
                 # No live bar without a terminal (CI, a log file): a line every 10 steps instead.
@@ -198,6 +308,7 @@ def run_grpo(cfg, actors: Actors, task: ArithmeticTask, tokenizer, out_dir: Path
                     f"logprob diff {row['logprob_diff_mean']:.1e}, step {row['step_s']:.2f}s"
                 )
 
+        checkpointer.finish()
         final_eval = evaluate(actors, eval_problems, cfg.policy.max_tokens)
         metrics_file.write(
             json.dumps({"step": cfg.steps, "final": True, "eval_accuracy": final_eval, "policy_version": version})

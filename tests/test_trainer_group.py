@@ -1,0 +1,139 @@
+"""The FSDP2 trainer group (gloo, real Ray actors): data parallelism, checkpoints, errors."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from actors.trainer_group import TrainerGroup
+from algos.episodes import Episode
+from checkpointing.folders import CheckpointError
+
+OPTIONS = {"lr": 3e-3, "max_grad_norm": 1.0, "loss": {"clip_eps": 0.2, "kl_coef": 0.0}}
+
+
+def episodes(n: int, seed: int) -> list[Episode]:
+    """Synthetic rollouts over the tiny model's 15-token vocabulary (ragged lengths)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [rng.randrange(2, 15) for _ in range(rng.randint(3, 7))]
+        completion = [rng.randrange(1, 15) for _ in range(rng.randint(1, 5))]
+        out.append(Episode(prompt, completion, [-rng.random() * 3 for _ in completion], 0.0, rng.uniform(-1, 1), 0))
+    return out
+
+
+@pytest.fixture
+def make_group(ray_session, redis_url, tiny_model_path):
+    groups = []
+
+    def make(ranks: int, run: str, model_path: str | None = None, **kwargs) -> TrainerGroup:
+        group = TrainerGroup(ranks, model_path or tiny_model_path, redis_url, run, **{**OPTIONS, **kwargs})
+        groups.append(group)
+        return group.start()
+
+    yield make
+    for group in groups:
+        for actor in group.ranks:
+            ray_session.kill(actor)
+
+
+def _assert_same_weights(a: dict, b: dict, atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        diff = (a[key] - b[key]).abs()
+        assert diff.max().item() <= atol, (key, diff.max().item(), (diff > atol).sum().item(), diff.numel())
+
+
+def test_two_ranks_train_like_one(make_group, tiny_model_path):
+    one = make_group(1, "tg-one")
+    two = make_group(2, "tg-two", micro_batch_size=2)  # 2 ranks x 3 uneven micro-batches of 5..6 episodes
+    start = one.full_state_dict()
+    for step in range(3):
+        batch = episodes(11, seed=step)
+        m1, m2 = one.train_step(batch), two.train_step(batch)
+        for key in ("loss", "kl", "clip_frac", "entropy", "logprob_diff_mean", "logprob_diff_max", "grad_norm", "lr"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (step, key)
+    w1, w2 = one.full_state_dict(), two.full_state_dict()
+    # Adam divides by sqrt(v): where a gradient is ~0, float summation-order noise moves a weight
+    # by up to ~lr. 5e-5 is 1.7% of one step (lr 3e-3); the weights move by far more (below).
+    _assert_same_weights(w1, w2, atol=5e-5)
+    moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
+    assert moved > 1e-3  # the steps really trained (so equal weights mean something)
+
+
+def test_checkpoint_resume_is_equivalent(make_group, tmp_path):
+    first = make_group(2, "tg-ckpt-a")
+    first.train_step(episodes(8, seed=0))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    first.save_checkpoint(str(ckpt), async_save=True)
+    first.wait_for_checkpoint()
+    after = [first.train_step(episodes(8, seed=s)) for s in (1, 2)]
+    weights_after = first.full_state_dict()
+
+    resumed = make_group(2, "tg-ckpt-b")
+    resumed.load_checkpoint(str(ckpt))
+    again = [resumed.train_step(episodes(8, seed=s)) for s in (1, 2)]
+    for a, b in zip(after, again, strict=True):
+        for key in ("loss", "grad_norm", "lr", "logprob_diff_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+    _assert_same_weights(weights_after, resumed.full_state_dict(), atol=1e-6)
+
+    # A checkpoint that lost Adam's moments or the step count would change these updates: Adam's
+    # first step moves every weight by ~lr whatever the gradient. The 2-rank shards also load
+    # into a 1-rank group (DCP reshards) and continue identically.
+    single = make_group(1, "tg-ckpt-c")
+    single.load_checkpoint(str(ckpt))
+    for s, a in zip((1, 2), after, strict=True):
+        assert single.train_step(episodes(8, seed=s))["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    _assert_same_weights(weights_after, single.full_state_dict(), atol=5e-5)
+
+
+def test_bad_checkpoints_are_clear_errors(make_group, tmp_path, tiny_model_path):
+    group = make_group(1, "tg-bad")
+    good = tmp_path / "good"
+    good.mkdir()
+    group.save_checkpoint(str(good))
+
+    # Corrupt: one shard file truncated.
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(good, corrupt)
+    shard = next(corrupt.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="unreadable shards|could not be read"):
+        group.load_checkpoint(str(corrupt))
+
+    # Partial: the trainer's own state file is missing.
+    partial = tmp_path / "partial"
+    shutil.copytree(good, partial)
+    (partial / "trainer_state.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        group.load_checkpoint(str(partial))
+
+    # Another model's checkpoint: a model with a different hidden size.
+    other_dir = _other_shape_model(tmp_path, tiny_model_path)
+    other = make_group(1, "tg-other", model_path=str(other_dir))
+    other_ckpt = tmp_path / "other"
+    other_ckpt.mkdir()
+    other.save_checkpoint(str(other_ckpt))
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        group.load_checkpoint(str(other_ckpt))
+
+    # None of that touched the good checkpoint, which still loads.
+    group.load_checkpoint(str(good))
+
+
+def _other_shape_model(tmp_path: Path, tiny_model_path: str) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    config.hidden_size = 64
+    out = tmp_path / "other-model"
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for f in Path(tiny_model_path).glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return out
