@@ -66,10 +66,15 @@ def gc_paused():
 
 
 class CachingSavePlanner(DefaultSavePlanner):
-    """DCP's default planner with plan caching on and the GC paused while it plans."""
+    """DCP's default planner with plan caching on and the GC paused while it plans.
 
-    def __init__(self) -> None:
+    DCP keys its plan cache by ``cache_key`` (the class name by default); each kind of save
+    (training state, HF export) gets its own so that they do not evict each other's plans.
+    """
+
+    def __init__(self, cache_key: str = "training-state") -> None:
         super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = cache_key
 
     def create_local_plan(self):
         with gc_paused():

@@ -77,7 +77,7 @@ def export_hf(
                 storage_writer=HuggingFaceStorageWriter(
                     str(sharded), fqn_to_index_mapping=mapping, save_distributed=True
                 ),
-                planner=CachingSavePlanner(),
+                planner=CachingSavePlanner("hf-export"),
                 no_dist=not distributed,
             )
         consolidate_safetensors_files_on_every_rank(str(sharded), str(tmp), mapping)

@@ -67,6 +67,8 @@ def test_two_ranks_train_like_one(make_group, tiny_model_path):
 
 def test_checkpoint_resume_is_equivalent(make_group, tmp_path):
     first = make_group(2, "tg-ckpt-a")
+    (tmp_path / "earlier").mkdir()
+    first.save_checkpoint(str(tmp_path / "earlier"))  # so that the next save reuses cached DCP plans
     first.train_step(episodes(8, seed=0))
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -137,3 +139,55 @@ def _other_shape_model(tmp_path: Path, tiny_model_path: str) -> Path:
     for f in Path(tiny_model_path).glob("tokenizer*"):
         shutil.copy(f, out / f.name)
     return out
+
+
+SEQUENCES = [[5, 6, 2, 7, 8, 14, 9, 1], [9, 9, 2, 12, 14, 7, 1], [3, 3, 12, 4, 14, 4, 8, 1]]
+
+
+@pytest.mark.slow
+def test_hf_export_by_two_ranks_loads_in_transformers_and_vllm(
+    make_group, ray_session, redis_url, tmp_path, tiny_model_path
+):
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actors.modeling import sequence_token_logprobs
+    from actors.policy import Policy
+
+    group = make_group(2, "tg-export")
+    group.train_step(episodes(12, seed=0))  # the export must hold trained weights, not the source's
+    as_episodes = [Episode(ids[:1], ids[1:], [0.0] * (len(ids) - 1), 0.0, 0.0, 0) for ids in SEQUENCES]
+    trainer_logprobs = group.logprobs(as_episodes)
+
+    out = tmp_path / "export"
+    group.export_hf(str(out), max_shard_bytes=1 << 20)  # ~3 MiB of weights -> several files
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) >= 2 and all((out / f).is_file() for f in files)
+    assert set(out.glob("*.safetensors")) == {out / f for f in files}  # no stray per-rank shards
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert set(index["weight_map"]) == {k for k in model.state_dict() if k != "lm_head.weight"}  # tied head
+    AutoTokenizer.from_pretrained(out)
+    for ids, expected in zip(SEQUENCES, trainer_logprobs, strict=True):
+        batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        with torch.no_grad():
+            got = sequence_token_logprobs(model, batch)[0, 1:]
+        torch.testing.assert_close(got, torch.tensor(expected), rtol=0, atol=1e-5)
+
+    policy = Policy.remote(str(out), redis_url, "tg-export-vllm", replica="export-check")
+    try:
+        served = ray_session.get(policy.prompt_logprobs.remote(SEQUENCES))
+    finally:
+        ray_session.get(policy.close.remote())
+        ray_session.kill(policy)
+    for row, expected in zip(served, trainer_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(row[1:]), torch.tensor(expected), rtol=0, atol=1e-4)
+    # The source model gives other logprobs: the matches above are the trained weights'.
+    source = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    batch = {"input_ids": torch.tensor([SEQUENCES[0]]), "attention_mask": torch.ones(1, len(SEQUENCES[0]))}
+    with torch.no_grad():
+        before = sequence_token_logprobs(source, batch)[0, 1:]
+    assert (before - torch.tensor(trainer_logprobs[0])).abs().max().item() > 1e-3
