@@ -10,7 +10,7 @@ import pytest
 import redis
 import torch
 
-from weightsync import redis_data
+from weightsync import reader, redis_data
 from weightsync.checksum import ChecksumMismatch
 from weightsync.push import WeightPusher, run_dir
 from weightsync.reader import ChunkSource, read_box
@@ -61,8 +61,11 @@ def _data_keys(client, run, version) -> set[str]:
 
 
 def test_redis_push_stores_the_shard_bytes_and_reads_equal_slicing(store, client, shm_root, monkeypatch, redis_url):
-    # Small pieces, so that ranges cross piece boundaries everywhere.
+    # Small pieces, ranges and slabs, so that ranges cross piece boundaries everywhere and boxes
+    # are read in many prefetched slabs.
     monkeypatch.setattr(redis_data, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(redis_data, "RANGE_BYTES", 300)
+    monkeypatch.setattr(reader, "SLAB_BYTES", 2048)
     sd = _state_dict()
     stats = WeightPusher(store, shm_root=shm_root, data_plane="redis").push(sd, version=1)
     assert not run_dir(shm_root, store.run).exists()  # nothing in shared memory
@@ -91,7 +94,8 @@ def test_redis_push_stores_the_shard_bytes_and_reads_equal_slicing(store, client
     source.close()
 
 
-def test_a_corrupt_redis_value_is_a_clear_error(store, client, shm_root, redis_url):
+def test_a_corrupt_redis_value_is_a_clear_error(store, client, shm_root, redis_url, monkeypatch):
+    monkeypatch.setattr(reader, "SLAB_BYTES", 4096)  # several slabs, the next one requested ahead
     sd = _state_dict()
     WeightPusher(store, shm_root=shm_root, data_plane="redis").push(sd, version=3)
     fqn = "model.layers.0.mlp.up_proj.weight"
@@ -101,9 +105,16 @@ def test_a_corrupt_redis_value_is_a_clear_error(store, client, shm_root, redis_u
     within = offset % chunk.location["piece_bytes"]
     byte = client.getrange(key, within, within)
     client.setrange(key, within, bytes([byte[0] ^ 0x01]))
+    source = ChunkSource(redis_url, 3)
     with pytest.raises(ChecksumMismatch) as err:
-        read_box(fqn, store.index(3)[fqn], ((0, 96), (0, 64)), torch.empty(96, 64), ChunkSource(redis_url, 3))
+        read_box(fqn, store.index(3)[fqn], ((0, 96), (0, 64)), torch.empty(96, 64), source)
     assert fqn in str(err.value) and "weight version 3" in str(err.value) and key in str(err.value)
+    # The same source still reads other tensors correctly (the slab requested ahead is dropped).
+    other = "model.layers.0.self_attn.o_proj.weight"
+    out = torch.empty(48, 64)
+    read_box(other, store.index(3)[other], ((0, 48), (64, 128)), out, source)
+    assert torch.equal(out, sd[other][:, 64:])
+    source.close()
 
 
 def test_retire_deletes_the_data_keys_with_the_version(store, client, shm_root):
@@ -166,3 +177,28 @@ def test_raw_redis_round_trips_pipelined_values_into_buffers(redis_url, client):
     finally:
         raw.close()
         client.delete(*keys)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("missing_at", [None, 0, 17, 39])
+def test_raw_redis_reads_runs_of_equal_ranges_and_never_waits_on_a_missing_value(redis_url, client, missing_at):
+    """Column slices are runs of equal ranges, parsed as fixed-size records; a missing value
+    anywhere in a run (first, middle, last) is an error, not a read that waits forever."""
+    value = bytes(random.Random(1).randrange(256) for _ in range(40 * 64))
+    key = f"rawtest:{uuid.uuid4().hex}"
+    client.set(key, value)
+    ranges = [(key.encode(), row * 64 + 16, 32) for row in range(40)]  # the middle half of 40 rows
+    if missing_at is not None:
+        ranges[missing_at] = (b"rawtest:missing", 0, 32)
+    raw = RawRedis(redis_url)
+    try:
+        out = bytearray(40 * 32)
+        if missing_at is None:
+            raw.getrange_into(ranges, memoryview(out))
+            assert bytes(out) == b"".join(value[row * 64 + 16 : row * 64 + 48] for row in range(40))
+        else:
+            with pytest.raises(redis.RedisError, match="missing or short"):
+                raw.getrange_into(ranges, memoryview(out))
+    finally:
+        raw.close()
+        client.delete(key)

@@ -76,6 +76,7 @@ class ChunkSource:
         self._files: dict[str, _ShardFile] = {}
         self._redis: RawRedis | None = None
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._pending: tuple[tuple, list] | None = None  # Redis ranges requested ahead of fetch
 
     def _file(self, path: str) -> _ShardFile:
         f = self._files.get(path)
@@ -101,10 +102,33 @@ class ChunkSource:
             n = height * width
             if self._staging.numel() < n:
                 self._staging = torch.empty(n, dtype=torch.uint8)
-            if n:
-                self._redis_client().getrange_into(self._ranges(chunk, rows, cols, elem), tensor_view(self._staging, n))
+            client = self._redis_client()
+            if self._pending is not None and self._pending[0] == (id(chunk), rows, cols):
+                ranges = self._pending[1]
+                self._pending = None
+                client.recv_ranges_into(ranges, tensor_view(self._staging, n))
+            else:
+                self._drain()
+                client.getrange_into(self._ranges(chunk, rows, cols, elem), tensor_view(self._staging, n))
             return self._staging[:n].view(height, width)
         raise ValueError(f"{fqn}: unknown chunk location {chunk.location!r}")
+
+    def prefetch(self, chunk: Chunk, elem: int, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        """Ask Redis now for what the next ``fetch`` will want, so it works while this process
+        verifies and copies the current slab. Shared-memory chunks need no prefetch."""
+        if chunk.location.get("kind") != "redis" or rows[0] >= rows[1] or self._pending is not None:
+            return
+        ranges = self._ranges(chunk, rows, cols, elem)
+        self._redis_client().send_getranges(ranges)
+        self._pending = ((id(chunk), rows, cols), ranges)
+
+    def _drain(self) -> None:
+        """Read and drop the replies of a prefetch that was not fetched."""
+        if self._pending is not None:
+            ranges = self._pending[1]
+            self._pending = None
+            scratch = torch.empty(sum(length for _, _, length in ranges), dtype=torch.uint8)
+            self._redis.recv_ranges_into(ranges, tensor_view(scratch, scratch.numel()))
 
     def _ranges(self, chunk: Chunk, rows: tuple[int, int], cols: tuple[int, int], elem: int) -> list:
         _, ncols = matrix_shape(chunk.sizes)
@@ -130,6 +154,7 @@ class ChunkSource:
 
     def close(self) -> None:
         self._files.clear()
+        self._pending = None
         if self._redis is not None:
             self._redis.close()
             self._redis = None
@@ -183,6 +208,7 @@ def _read_part(
     for r0 in range(region_rows[0], region_rows[1], step):
         r1 = min(r0 + step, region_rows[1])
         raw = source.fetch(fqn, chunk, elem, (r0, r1), region_cols)
+        source.prefetch(chunk, elem, (r1, min(r1 + step, region_rows[1])), region_cols)
         nbytes += raw.numel()
         if check:
             got = region_hashes(raw, grid)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -124,24 +125,27 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         data_start = 8 + len(raw)
         results = []
         parts: list[memoryview | bytes] = [struct.pack("<Q", len(raw)), raw]
-        for item, tensor, tensor_offset, nbytes in tensors:
-            if nbytes:
-                parts.append(_tensor_bytes(tensor))
-            self.written[item.index.fqn] = WrittenChunk(
-                offsets=list(item.tensor_data.chunk.offsets),
-                sizes=list(tensor.shape),
-                dtype=tensor.dtype,
-                byte_offset=data_start + tensor_offset,
-                checksum=chunk_checksums(tensor) if self.checksums else None,
-            )
-            results.append(
-                WriteResult(
-                    index=item.index,
-                    size_in_bytes=nbytes,
-                    storage_data=_StorageInfo(file_name, data_start + tensor_offset, nbytes),
+        parts += [_tensor_bytes(tensor) for _, tensor, _, nbytes in tensors if nbytes]
+        # The shard goes out on a thread (file writes and socket sends release the GIL) while
+        # this one computes the checksums of the same, unchanging tensors.
+        with ThreadPoolExecutor(1) as pool:
+            emitted = pool.submit(self._emit, file_name, parts)
+            for item, tensor, tensor_offset, nbytes in tensors:
+                self.written[item.index.fqn] = WrittenChunk(
+                    offsets=list(item.tensor_data.chunk.offsets),
+                    sizes=list(tensor.shape),
+                    dtype=tensor.dtype,
+                    byte_offset=data_start + tensor_offset,
+                    checksum=chunk_checksums(tensor) if self.checksums else None,
                 )
-            )
-        self._emit(file_name, parts)
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=nbytes,
+                        storage_data=_StorageInfo(file_name, data_start + tensor_offset, nbytes),
+                    )
+                )
+            emitted.result()
         self.shard_name = file_name
         self.shard_bytes = data_start + offset
         future.set_result(results)
