@@ -236,3 +236,83 @@ def test_sigterm_mid_run_cleans_up_and_keeps_finished_steps(tmp_path, tiny_model
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line is whole
     assert len(rows) >= 2 and not any(r.get("final") for r in rows)
     assert not any(shm.glob("ws-*"))
+
+
+@pytest.mark.parametrize(
+    "setup, overrides, message",
+    [
+        ("none", ["resume=true"], "there is no run folder"),
+        ("empty", ["resume=true"], "no complete checkpoint"),
+        ("partial", ["resume=true"], "only unfinished ones"),
+        ("empty", ["resume=true", "overwrite=true"], "pass one"),
+    ],
+)
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, setup, overrides, message):
+    run = tmp_path / "r"
+    if setup != "none":
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("keep\n")
+    if setup == "partial":
+        (run / "checkpoints" / ".step_4.tmp").mkdir()
+    proc = _run_app(f"output_dir={tmp_path}", "run_name=r", *overrides)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    if setup != "none":
+        assert (run / "metrics.jsonl").read_text() == "keep\n"  # nothing of the old run is touched
+
+
+TIMING_KEYS = {"step_s", "weight_sync_s", "push_s", "update_s", "gen_tokens_per_s"}
+
+
+@pytest.mark.slow
+def test_two_rank_run_resumes_like_an_uninterrupted_run(tmp_path, tiny_model_path):
+    """trainer.ranks=2 with checkpoints; a copy cut back to its step-2 checkpoint, resumed, redoes
+    steps 2-3 exactly as the uninterrupted run did (metrics, evals, policy versions, export)."""
+    import shutil
+
+    common = [
+        "steps=4",
+        "eval_every=2",
+        "prompts_per_step=8",
+        "algo.group_size=4",
+        "trainer.ranks=2",
+        "trainer.lr=1e-3",
+        "trainer.lr_schedule=cosine",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=3",
+        f"output_dir={tmp_path}",
+        f"weightsync.shm_root={tmp_path / 'shm'}",
+    ]
+    proc = _run_app(*common, "run_name=full")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    full = tmp_path / "full"
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_2", "step_3", "step_4"]  # keep_last
+    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["final"] and rows[-1]["policy_version"] == 4
+    assert all(r["logprob_diff_mean"] < 1e-3 for r in rows[:-1])  # two ranks' shards reach vLLM
+    assert rows[1]["lr"] > rows[3]["lr"] > 0  # the cosine schedule decays
+
+    # The same run, as if it had crashed after step 2's checkpoint (and left a half-written one).
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut, ignore=shutil.ignore_patterns("step_3", "step_4", "hf"))
+    (cut / "checkpoints" / ".step_3.tmp").mkdir()
+    proc = _run_app(*common, "run_name=cut")  # an existing run is not silently restarted
+    assert proc.returncode == 2 and "resume=true" in proc.stderr
+    proc = _run_app(*common, "run_name=cut", "resume=true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "checkpoints/step_2 (step 2" in proc.stdout
+    resumed = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [r["step"] for r in rows]
+    for a, b in zip(rows, resumed, strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
+            k: v for k, v in b.items() if k not in TIMING_KEYS
+        }
+    assert not (cut / "checkpoints" / ".step_3.tmp").exists()  # the unfinished save was cleared
+
+    from safetensors.torch import load_file
+
+    def weights(folder):
+        return {k: v for f in sorted(folder.glob("model-*.safetensors")) for k, v in load_file(f).items()}
+
+    a, b = weights(full / "hf"), weights(cut / "hf")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
