@@ -10,7 +10,13 @@ each size and vLLM TP degree, in one run, it measures:
 - worker RSS growth during the update;
 - two baselines a user would otherwise write: (a) ``ray.put`` of the full state dict and a
   ``ray.get`` in another process (a lower bound: it leaves out vLLM's ``load_weights``), and
-  (b) the same bytes through Redis with redis-py (SET every tensor, GET it back).
+  (b) the same bytes through Redis with redis-py (SET every tensor, GET it back);
+- the cost of the tile checksums (push side, seconds per GiB) and of verifying them (update
+  with and without ``verify``);
+- the Redis data plane (``data_plane="redis"``): push + vLLM update through it, and, for the
+  like-for-like comparison with baseline (b), push + verified read of every tensor into warm
+  buffers without vLLM (``R plane``), alternating with (b), best of the repeats for both, and
+  the read side alone against redis-py's GETs (``R read x GET``).
 
 On CPU the models are float32 (bf16 compute is pathologically slow on these CPUs and sync cost
 depends only on bytes); ``--dtype bfloat16`` for GPU machines. Prints a table and writes
@@ -97,19 +103,88 @@ def baseline_ray(state_dict: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - t
 
 
-def baseline_redis(state_dict: dict[str, torch.Tensor], url: str) -> float:
+def baseline_redis(state_dict: dict[str, torch.Tensor], url: str) -> tuple[float, float]:
+    """Baseline (b): SET every tensor with redis-py, then GET it back; (set seconds, get seconds)."""
     import redis
 
     client = redis.Redis.from_url(url)
     t = time.perf_counter()
     for name, tensor in state_dict.items():
         client.set(f"bench:{name}", tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    set_s = time.perf_counter() - t
+    t = time.perf_counter()
     for name, tensor in state_dict.items():
         raw = client.get(f"bench:{name}")
         torch.frombuffer(bytearray(raw), dtype=tensor.dtype)
-    elapsed = time.perf_counter() - t
+    get_s = time.perf_counter() - t
     client.delete(*[f"bench:{name}" for name in state_dict])
-    return elapsed
+    client.close()
+    return set_s, get_s
+
+
+def checksum_seconds_per_gib(state_dict: dict[str, torch.Tensor]) -> float:
+    """Push-side cost of the tile checksums (best of 3)."""
+    from weightsync.checksum import chunk_checksums
+
+    nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for tensor in state_dict.values():
+            chunk_checksums(tensor)
+        best = min(best, time.perf_counter() - t)
+    return best / (nbytes / 2**30)
+
+
+def redis_plane_vs_baseline(state_dict: dict[str, torch.Tensor], url: str, shm_root: str, repeats: int) -> dict:
+    """The Redis data plane against baseline (b), like for like, alternating, best of ``repeats``.
+
+    Ours: push through ``data_plane="redis"`` (checksums on) and read every tensor back whole
+    (verified) into destination buffers kept across repeats. Baseline (b): redis-py SET + GET.
+    """
+    from weightsync.push import WeightPusher
+    from weightsync.reader import ChunkSource, read_box
+    from weightsync.store import WeightStore
+
+    store = WeightStore(url, "bench-redis-plane")
+    dtype = str(next(iter(state_dict.values())).dtype).removeprefix("torch.")
+    pusher = WeightPusher(store, shm_root, dtype=dtype, keep_last=1, data_plane="redis")
+    out = {k: torch.empty_like(v) for k, v in state_dict.items()}
+    sets, gets, pushes, reads = [], [], [], []
+    for version in range(1, repeats + 1):
+        set_s, get_s = baseline_redis(state_dict, url)
+        sets.append(set_s)
+        gets.append(get_s)
+        t = time.perf_counter()
+        pusher.push(state_dict, version)
+        pushes.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        index = store.index(version)
+        source = ChunkSource(url, version)
+        for name, entry in index.items():
+            read_box(name, entry, tuple((0, n) for n in entry.shape), out[name], source)
+        source.close()
+        reads.append(time.perf_counter() - t)
+    assert all(torch.equal(out[k], state_dict[k]) for k in state_dict)
+    pusher.remove_all()
+    store.close()
+    best = {
+        "baseline_redis_py_set_s": min(sets),
+        "baseline_redis_py_get_s": min(gets),
+        "redis_plane_push_s": min(pushes),
+        "redis_plane_read_s": min(reads),
+    }
+    baseline = min(a + b for a, b in zip(sets, gets))
+    ours = min(a + b for a, b in zip(pushes, reads))
+    best.update(
+        {
+            "baseline_redis_py_best_s": baseline,
+            "redis_plane_roundtrip_s": ours,
+            "redis_plane_speedup_vs_redis_py": baseline / ours,
+            "redis_plane_read_speedup_vs_get": best["baseline_redis_py_get_s"] / best["redis_plane_read_s"],
+        }
+    )
+    return best
 
 
 def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list[dict]:
@@ -124,7 +199,9 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
     model_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
     bandwidth = memcpy_bandwidth()
     ray_s = baseline_ray(state_dict)
-    redis_s = baseline_redis(state_dict, redis_url)
+    redis_s = sum(baseline_redis(state_dict, redis_url))
+    checksum_s_per_gib = checksum_seconds_per_gib(state_dict)
+    plane = redis_plane_vs_baseline(state_dict, redis_url, shm_root, repeats)
     rows = []
     for tp in tp_list:
         run = f"bench-{size}-tp{tp}"
@@ -154,9 +231,25 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
             per_worker = [s["bytes_read"] for s in stats]
             repacks.append(max(s["repack_s"] for s in stats))
             rss_growth.append(max(a - b for a, b in zip(rss_after, rss_before)))
+        unverified = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version), kwargs={"verify": False})
+            unverified.append(time.perf_counter() - t)
+        redis_pusher = WeightPusher(
+            store, shm_root, dtype=str(dtype).removeprefix("torch."), keep_last=1, data_plane="redis"
+        )
+        redis_pushes, redis_updates = [], []
+        for version in range(repeats + 1, 2 * repeats + 1):
+            redis_pushes.append(redis_pusher.push(state_dict, version)["push_s"])
+            store.lease(version, "bench")
+            t = time.perf_counter()
+            llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
+            redis_updates.append(time.perf_counter() - t)
         floor = max(per_worker) / bandwidth
         update = statistics.median(updates)
         push = statistics.median(pushes)
+        redis_push, redis_update = statistics.median(redis_pushes), statistics.median(redis_updates)
         rows.append(
             {
                 "size": size,
@@ -178,11 +271,18 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
                 "speedup_vs_ray": ray_s / (push + update),
                 "speedup_vs_redis_py": redis_s / (push + update),
                 "memcpy_gbps": bandwidth / 1e9,
+                "checksum_s_per_gib": checksum_s_per_gib,
+                "update_noverify_s": statistics.median(unverified),
+                "redis_push_s": redis_push,
+                "redis_update_s": redis_update,
+                "redis_push_update_speedup_vs_redis_py": redis_s / (redis_push + redis_update),
+                **plane,
             }
         )
         llm.llm_engine.engine_core.shutdown()  # its processes and shared-memory queues
         del llm
         pusher.remove_all()
+        redis_pusher.remove_all()
         store.close()
         gc.collect()
     return rows
@@ -208,6 +308,13 @@ def print_table(rows: list[dict]) -> None:
         "redis-py s",
         "x ray",
         "x redis",
+        "cksum s/GiB",
+        "upd noverify s",
+        "R push s",
+        "R update s",
+        "R plane s",
+        "R plane x redis",
+        "R read x GET",
     ]:
         table.add_column(col, justify="right")
     for r in rows:
@@ -226,8 +333,15 @@ def print_table(rows: list[dict]) -> None:
             f"{r['baseline_redis_py_s']:.3f}",
             f"{r['speedup_vs_ray']:.1f}",
             f"{r['speedup_vs_redis_py']:.1f}",
+            f"{r['checksum_s_per_gib']:.3f}",
+            f"{r['update_noverify_s']:.3f}",
+            f"{r['redis_push_s']:.3f}",
+            f"{r['redis_update_s']:.3f}",
+            f"{r['redis_plane_roundtrip_s']:.3f}",
+            f"{r['redis_plane_speedup_vs_redis_py']:.1f}",
+            f"{r['redis_plane_read_speedup_vs_get']:.1f}",
         )
-    Console(width=200).print(table)
+    Console(width=260).print(table)
 
 
 def main() -> None:
