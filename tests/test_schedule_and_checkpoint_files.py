@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +131,32 @@ def test_gc_pause_nests():
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+class _FailingTrainer:
+    """Stands in for the trainer group: its save fails midway, after writing part of a shard."""
+
+    def save_checkpoint(self, path, async_save):
+        (Path(path) / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"partial")
+        raise OSError("disk full")
+
+    def wait_for_checkpoint(self):
+        pass
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from apps.grpo.loop import Checkpointer, LoopState
+
+    good = folders.final_dir(tmp_path / "checkpoints", 2)
+    good.mkdir(parents=True)
+    (good / folders.LOOP_STATE).write_text("{}")
+    cfg = SimpleNamespace(every=2, keep_last=1, async_save=False)
+    checkpointer = Checkpointer(cfg, tmp_path, _FailingTrainer(), Console(quiet=True))
+    with pytest.raises(OSError, match="disk full"):
+        checkpointer.save(LoopState(4, 4, 4, 0.0, 0.0))
+    assert folders.newest_checkpoint(tmp_path / "checkpoints") == (2, good)  # keep_last=1 pruned nothing
+    assert (good / folders.LOOP_STATE).exists()
