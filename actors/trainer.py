@@ -236,6 +236,10 @@ class TrainerRank:
             _without_aliases(tensors), folder, async_save=async_save, process_group=self.ckpt_group
         )
 
+    def checkpoint_written(self) -> bool:
+        """Whether no save is pending or the pending async save has finished (without blocking)."""
+        return self.pending_save is None or self.pending_save.done()
+
     def wait_for_checkpoint(self) -> None:
         """Block until an async save has written its shards (re-raising its error)."""
         pending, self.pending_save = self.pending_save, None

@@ -75,6 +75,9 @@ class TrainerGroup:
     def save_checkpoint(self, path: str, async_save: bool = False) -> None:
         self._all("save_checkpoint", path, async_save)
 
+    def checkpoint_written(self) -> bool:
+        return all(self._all("checkpoint_written"))
+
     def wait_for_checkpoint(self) -> None:
         self._all("wait_for_checkpoint")
 

@@ -185,6 +185,8 @@ def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
         "algo.advantage_std_norm=false",
         "algo.clip_eps_high=0.28",
         "algo.tis_cap=2.0",
+        "checkpoint.every=1",
+        "checkpoint.async_save=true",
         f"output_dir={tmp_path}",
         "run_name=variants",
         f"weightsync.shm_root={tmp_path / 'shm'}",
@@ -195,6 +197,8 @@ def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
     for r in rows[:-1]:
         assert r["kl"] == 0.0  # the KL went into the rewards, not the loss
         assert r["entropy"] > 0 and r["logprob_diff_mean"] < 1e-3
+    # Async saves were published (renamed from their .tmp folders) by the end of the run.
+    assert sorted(p.name for p in (tmp_path / "variants" / "checkpoints").iterdir()) == ["step_1", "step_2"]
 
 
 @pytest.mark.slow

@@ -129,7 +129,13 @@ class Checkpointer:
         self.pending = (tmp, final)
         if not self.async_save:
             self.finish()
-            self.console.print(f"checkpoint {final} saved in {time.perf_counter() - t0:.1f}s")
+        what = "staged (written in the background)" if self.async_save else "saved"
+        self.console.print(f"checkpoint {final} {what} in {time.perf_counter() - t0:.1f}s")
+
+    def poll(self) -> None:
+        """Publish a pending async save as soon as every rank has written it (never blocks)."""
+        if self.pending is not None and self.trainer.checkpoint_written():
+            self.finish()
 
     def finish(self) -> None:
         """Wait for a pending save, publish it, and drop checkpoints beyond ``keep_last``."""
@@ -300,6 +306,8 @@ def run_grpo(
             metrics_file.flush()
             if checkpointer.due(step + 1, last=step + 1 == cfg.steps):
                 checkpointer.save(LoopState(step + 1, cursor, version, first_eval, last_eval))
+            else:
+                checkpointer.poll()
             progress.update(bar, advance=1, reward=row["reward_mean"], eval=last_eval, diff=row["logprob_diff_mean"])
             if not console.is_terminal and (step % 10 == 0 or step == cfg.steps - 1):
                 # No live bar without a terminal (CI, a log file): a line every 10 steps instead.
