@@ -32,6 +32,7 @@ import os
 import statistics
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -146,7 +147,7 @@ def redis_plane_vs_baseline(state_dict: dict[str, torch.Tensor], url: str, shm_r
     from weightsync.reader import ChunkSource, read_box
     from weightsync.store import WeightStore
 
-    store = WeightStore(url, "bench-redis-plane")
+    store = WeightStore(url, f"bench-redis-plane-{uuid.uuid4().hex[:8]}")
     dtype = str(next(iter(state_dict.values())).dtype).removeprefix("torch.")
     pusher = WeightPusher(store, shm_root, dtype=dtype, keep_last=1, data_plane="redis")
     out = {k: torch.empty_like(v) for k, v in state_dict.items()}
@@ -231,8 +232,10 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
             per_worker = [s["bytes_read"] for s in stats]
             repacks.append(max(s["repack_s"] for s in stats))
             rss_growth.append(max(a - b for a, b in zip(rss_after, rss_before)))
-        unverified = []
-        for _ in range(repeats):
+        unverified = []  # the same, fresh version each time, without checking the checksums
+        for version in range(repeats + 1, 2 * repeats + 1):
+            pusher.push(state_dict, version)
+            store.lease(version, "bench")
             t = time.perf_counter()
             llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version), kwargs={"verify": False})
             unverified.append(time.perf_counter() - t)
@@ -240,7 +243,7 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
             store, shm_root, dtype=str(dtype).removeprefix("torch."), keep_last=1, data_plane="redis"
         )
         redis_pushes, redis_updates = [], []
-        for version in range(repeats + 1, 2 * repeats + 1):
+        for version in range(2 * repeats + 1, 3 * repeats + 1):
             redis_pushes.append(redis_pusher.push(state_dict, version)["push_s"])
             store.lease(version, "bench")
             t = time.perf_counter()
