@@ -103,13 +103,17 @@ class ChunkSource:
             if self._staging.numel() < n:
                 self._staging = torch.empty(n, dtype=torch.uint8)
             client = self._redis_client()
-            if self._pending is not None and self._pending[0] == (id(chunk), rows, cols):
-                ranges = self._pending[1]
-                self._pending = None
-                client.recv_ranges_into(ranges, tensor_view(self._staging, n))
-            else:
-                self._drain()
-                client.getrange_into(self._ranges(chunk, rows, cols, elem), tensor_view(self._staging, n))
+            try:
+                if self._pending is not None and self._pending[0] == (id(chunk), rows, cols):
+                    ranges = self._pending[1]
+                    self._pending = None
+                    client.recv_ranges_into(ranges, tensor_view(self._staging, n))
+                else:
+                    self._drain()
+                    client.getrange_into(self._ranges(chunk, rows, cols, elem), tensor_view(self._staging, n))
+            except BaseException:
+                self._reset_redis()  # replies may still be in flight: never reuse the connection
+                raise
             return self._staging[:n].view(height, width)
         raise ValueError(f"{fqn}: unknown chunk location {chunk.location!r}")
 
@@ -119,7 +123,11 @@ class ChunkSource:
         if chunk.location.get("kind") != "redis" or rows[0] >= rows[1] or self._pending is not None:
             return
         ranges = self._ranges(chunk, rows, cols, elem)
-        self._redis_client().send_getranges(ranges)
+        try:
+            self._redis_client().send_getranges(ranges)
+        except BaseException:
+            self._reset_redis()
+            raise
         self._pending = ((id(chunk), rows, cols), ranges)
 
     def _drain(self) -> None:
@@ -152,12 +160,15 @@ class ChunkSource:
             return f"Redis key(s) {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
         return f"file {chunk.location.get('file')}"
 
-    def close(self) -> None:
-        self._files.clear()
+    def _reset_redis(self) -> None:
         self._pending = None
         if self._redis is not None:
             self._redis.close()
             self._redis = None
+
+    def close(self) -> None:
+        self._files.clear()
+        self._reset_redis()
 
 
 def _overlap(box: Box, chunk: Chunk) -> Box | None:
