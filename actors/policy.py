@@ -35,7 +35,9 @@ class Policy:
         enforce_eager: bool = True,
         seed: int = 0,
         omp_threads_bind: str | None = None,
+        verify: bool = True,
     ) -> None:
+        self.verify = verify  # check the tile checksums of every slice read in an update
         if omp_threads_bind:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind
         from vllm import LLM
@@ -115,7 +117,9 @@ class Policy:
             store.lease(version, self.replica)
         finally:
             store.close()
-        stats = self.llm.collective_rpc("update_weights_from_store", args=(self.redis_url, self.run, version))
+        stats = self.llm.collective_rpc(
+            "update_weights_from_store", args=(self.redis_url, self.run, version), kwargs={"verify": self.verify}
+        )
         self.llm.reset_prefix_cache()
         self.version = version
         return {

@@ -61,6 +61,8 @@ class TrainerRank:
         shm_root: str = "/dev/shm",
         sync_dtype: str = "float32",
         keep_last: int = 2,
+        data_plane: str = "shm",
+        checksums: bool = True,
     ) -> None:
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
@@ -81,7 +83,9 @@ class TrainerRank:
         }
         self.max_grad_norm = max_grad_norm
         self.loss_options = loss or {}  # keyword arguments of algos.grpo.grpo_loss
-        self.pusher = WeightPusher(WeightStore(redis_url, run), shm_root, sync_dtype, keep_last)
+        self.pusher = WeightPusher(
+            WeightStore(redis_url, run), shm_root, sync_dtype, keep_last, data_plane=data_plane, checksums=checksums
+        )
         self.pending_save = None
 
     # -- process group ---------------------------------------------------------------------------

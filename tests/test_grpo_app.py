@@ -71,6 +71,10 @@ def test_wrong_type_names_the_key():
         ("algo.group_size=1", "algo.group_size"),
         ("algo.kl_coef=-1", "algo.kl_coef"),
         ("run_name=a/b", "run_name"),
+        ("weightsync.data_plane=nfs", "weightsync.data_plane"),
+        ("weightsync.checksums=false", "weightsync.verify"),
+        ("trainer.lr_schedule=step", "trainer.lr_schedule"),
+        ("trainer.ranks=0", "trainer.ranks"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(override, key):
@@ -172,7 +176,8 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
 
 @pytest.mark.slow
 def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
-    """KL as a reward penalty (k2), Dr. GRPO aggregation and advantages, clip-higher, truncated IS."""
+    """KL as a reward penalty (k2), Dr. GRPO aggregation and advantages, clip-higher, truncated IS;
+    weights through the Redis data plane; async checkpoints."""
     proc = _run_app(
         "steps=2",
         "eval_every=0",
@@ -187,6 +192,7 @@ def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
         "algo.tis_cap=2.0",
         "checkpoint.every=1",
         "checkpoint.async_save=true",
+        "weightsync.data_plane=redis",
         f"output_dir={tmp_path}",
         "run_name=variants",
         f"weightsync.shm_root={tmp_path / 'shm'}",

@@ -18,6 +18,7 @@ from omegaconf import MISSING
 POLICY_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 KL_MODES = ("loss", "reward")
+DATA_PLANES = ("shm", "redis")
 
 
 @dataclass
@@ -90,8 +91,11 @@ class RayConfig:
 
 @dataclass
 class WeightSyncConfig:
+    data_plane: str = MISSING
     shm_root: str = MISSING
     keep_last: int = MISSING
+    checksums: bool = MISSING
+    verify: bool = MISSING
 
 
 @dataclass
@@ -212,6 +216,12 @@ def validate(cfg) -> None:
         (cfg.algo.tis_cap is None or cfg.algo.tis_cap > 0, "algo.tis_cap", "null (off) or a number > 0"),
         (cfg.algo.max_staleness >= 0, "algo.max_staleness", "an integer >= 0"),
         (cfg.weightsync.keep_last >= 1, "weightsync.keep_last", "an integer >= 1"),
+        (cfg.weightsync.data_plane in DATA_PLANES, "weightsync.data_plane", f"one of {list(DATA_PLANES)}"),
+        (
+            cfg.weightsync.checksums or not cfg.weightsync.verify,
+            "weightsync.verify",
+            "false when weightsync.checksums=false (there is nothing to verify)",
+        ),
         (cfg.checkpoint.every >= 0, "checkpoint.every", "an integer >= 0 (0: no checkpoints)"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "an integer >= 1"),
         (bool(str(cfg.run_name).strip()) and "/" not in str(cfg.run_name), "run_name", "a non-empty name without '/'"),

@@ -44,6 +44,7 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         enforce_eager=cfg.policy.enforce_eager,
         seed=cfg.seed,
         omp_threads_bind=cfg.policy.omp_threads_bind,
+        verify=cfg.weightsync.verify,
     )
     trainer = TrainerGroup(
         cfg.trainer.ranks,
@@ -67,6 +68,8 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         shm_root=cfg.weightsync.shm_root,
         sync_dtype=policy_dtype,
         keep_last=cfg.weightsync.keep_last,
+        data_plane=cfg.weightsync.data_plane,
+        checksums=cfg.weightsync.checksums,
     )
     reference = Reference.remote(model_path, cfg.trainer.torch_threads) if cfg.algo.kl_coef > 0 else None
     actors = Actors(
