@@ -13,6 +13,30 @@ def redis_url():
         yield server.url
 
 
+@pytest.fixture
+def store(redis_url):
+    """A weight store on the session's Redis, under a fresh run name."""
+    import uuid
+
+    from weightsync.store import WeightStore
+
+    s = WeightStore(redis_url, f"t-{uuid.uuid4().hex[:8]}")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def shm_root():
+    """A private folder in /dev/shm for one test's pushed shards."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix="ws-test-", dir="/dev/shm"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path():
     """The embedded default model, built once (about a minute) and cached by its recipe."""

@@ -1,15 +1,12 @@
 """Tile checksums: the hash itself, verification on read, and what verification costs in bytes."""
 
 import random
-import shutil
-import tempfile
-import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.boxes import random_box
 from weightsync.checksum import (
     _SEED_A,
     _SEED_B,
@@ -22,7 +19,6 @@ from weightsync.checksum import (
 from weightsync.layout import Layout, plan_pieces
 from weightsync.push import WeightPusher
 from weightsync.reader import ChunkSource, read_box
-from weightsync.store import WeightStore
 
 
 def _reference_hash(words: np.ndarray) -> int:
@@ -90,20 +86,6 @@ def test_checksum_records_are_compact_json_and_round_trip():
     grid, hashes = Grid.from_json(record, [300, 64], 4)
     assert hashes.shape == grid.shape and len(record["hex"]) == 16 * hashes.numel()
     assert torch.equal(hashes, region_hashes(t.view(torch.uint8).view(300, 256), grid))
-
-
-@pytest.fixture
-def shm_root():
-    root = Path(tempfile.mkdtemp(prefix="ws-test-", dir="/dev/shm"))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def store(redis_url):
-    s = WeightStore(redis_url, f"t-{uuid.uuid4().hex[:8]}")
-    yield s
-    s.close()
 
 
 def _state_dict(seed=0):
@@ -195,11 +177,7 @@ def test_verified_reads_equal_slicing_and_count_partial_tiles(store, shm_root):
     index, rng = store.index(1), random.Random(0)
     for _ in range(60):
         name = rng.choice(sorted(index))
-        box = []
-        for n in index[name].shape:
-            lo = rng.randrange(n)
-            box.append((lo, rng.randrange(lo + 1, n + 1)))
-        box = tuple(box)
+        box = random_box(index[name].shape, rng)
         expected = sd[name][tuple(slice(lo, hi) for lo, hi in box)]
         for verify in (True, False):
             out = torch.empty(expected.shape)

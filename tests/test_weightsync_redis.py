@@ -1,8 +1,6 @@
 """The Redis data plane (real redis-server): shard bytes as Redis values, read by byte ranges."""
 
 import random
-import shutil
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -10,19 +8,12 @@ import pytest
 import redis
 import torch
 
+from tests.boxes import random_box
 from weightsync import reader, redis_data
 from weightsync.checksum import ChecksumMismatch
 from weightsync.push import WeightPusher, run_dir
 from weightsync.reader import ChunkSource, read_box
 from weightsync.redis_data import RawRedis
-from weightsync.store import WeightStore
-
-
-@pytest.fixture
-def store(redis_url):
-    s = WeightStore(redis_url, f"t-{uuid.uuid4().hex[:8]}")
-    yield s
-    s.close()
 
 
 @pytest.fixture
@@ -30,13 +21,6 @@ def client(redis_url):
     c = redis.Redis.from_url(redis_url)
     yield c
     c.close()
-
-
-@pytest.fixture
-def shm_root():
-    root = Path(tempfile.mkdtemp(prefix="ws-test-", dir="/dev/shm"))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _state_dict(seed=0):
@@ -83,10 +67,7 @@ def test_redis_push_stores_the_shard_bytes_and_reads_equal_slicing(store, client
     source, rng = ChunkSource(redis_url, version=1), random.Random(0)
     for _ in range(80):
         name = rng.choice(sorted(index))
-        box = []
-        for n in index[name].shape:
-            lo = rng.randrange(n)
-            box.append((lo, rng.randrange(lo + 1, n + 1)))
+        box = random_box(index[name].shape, rng)
         expected = sd[name][tuple(slice(lo, hi) for lo, hi in box)]
         out = torch.empty(expected.shape)
         read_box(name, index[name], tuple(box), out, source)

@@ -3,7 +3,6 @@
 import json
 import random
 import threading
-import uuid
 
 import pytest
 import torch
@@ -12,17 +11,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+from tests.boxes import random_box
 from weightsync.push import WeightPusher, run_dir, version_dir
 from weightsync.reader import ChunkSource, read_box
 from weightsync.redis_server import LocalRedis, RedisUnavailable, check_redis
-from weightsync.store import Chunk, TensorEntry, VersionNotFound, WeightStore
-
-
-@pytest.fixture
-def store(redis_url):
-    s = WeightStore(redis_url, f"t-{uuid.uuid4().hex[:8]}")
-    yield s
-    s.close()
+from weightsync.store import Chunk, TensorEntry, VersionNotFound
 
 
 def _state_dict(seed=0):
@@ -72,11 +65,7 @@ def test_read_box_equals_slicing_the_full_tensor(store, tmp_path):
     index, files, rng = store.index(1), ChunkSource(verify=False), random.Random(0)
     for _ in range(50):
         name = rng.choice(sorted(index))
-        shape = index[name].shape
-        box = []
-        for n in shape:
-            lo = rng.randrange(n)
-            box.append((lo, rng.randrange(lo + 1, n + 1)))
+        box = random_box(index[name].shape, rng)
         out = torch.empty([hi - lo for lo, hi in box])
         nbytes = read_box(name, index[name], tuple(box), out, files)
         assert torch.equal(out, sd[name][tuple(slice(lo, hi) for lo, hi in box)])
