@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from algos.episodes import Episode, collate
 from algos.grpo import token_logprobs
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -37,4 +38,15 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32):
 def sequence_token_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-token log-probabilities of ``batch["input_ids"]`` under ``model`` (see ``token_logprobs``)."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return token_logprobs(logits, batch["input_ids"])
+    return token_logprobs(logits.float(), batch["input_ids"])
+
+
+@torch.no_grad()
+def completion_logprobs(model, episodes: list[Episode], pad_id: int) -> list[list[float]]:
+    """Each episode's completion-token log-probabilities under ``model`` (on the model's device)."""
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in collate(episodes, pad_id).items()}
+    logp = sequence_token_logprobs(model, batch).cpu()
+    return [
+        logp[b, len(e.prompt_ids) : len(e.prompt_ids) + len(e.completion_ids)].tolist() for b, e in enumerate(episodes)
+    ]

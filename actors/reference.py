@@ -5,8 +5,8 @@ from __future__ import annotations
 import ray
 import torch
 
-from actors.modeling import load_causal_lm, sequence_token_logprobs
-from algos.episodes import Episode, collate
+from actors.modeling import completion_logprobs, load_causal_lm
+from algos.episodes import Episode
 
 
 @ray.remote(num_cpus=0)
@@ -16,12 +16,6 @@ class Reference:
         self.model = load_causal_lm(model_path).eval().requires_grad_(False)
         self.pad_id = self.model.config.pad_token_id or 0
 
-    @torch.no_grad()
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         """Each episode's completion-token log-probabilities under the reference model."""
-        batch = collate(episodes, self.pad_id)
-        logp = sequence_token_logprobs(self.model, batch)
-        return [
-            logp[b, len(e.prompt_ids) : len(e.prompt_ids) + len(e.completion_ids)].tolist()
-            for b, e in enumerate(episodes)
-        ]
+        return completion_logprobs(self.model, episodes, self.pad_id)

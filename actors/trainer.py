@@ -17,15 +17,14 @@ import ray
 import torch
 import torch.distributed as dist
 
-from actors.modeling import load_causal_lm
-from algos.episodes import Episode, collate
-from algos.grpo import token_logprobs
+from actors.modeling import completion_logprobs, load_causal_lm
+from algos.episodes import Episode
 from algos.schedule import lr_multiplier
 from algos.train import SUMMED_METRICS, BatchTotals, grpo_backward
 from checkpointing import dcp_io
 from checkpointing.folders import CheckpointError
 from checkpointing.hf_export import export_hf
-from weightsync.push import WeightPusher, _without_aliases
+from weightsync.push import WeightPusher, without_aliases
 from weightsync.store import WeightStore
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -159,16 +158,9 @@ class TrainerRank:
         self.scheduler.step()
         return metrics
 
-    @torch.no_grad()
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         """Each episode's completion-token logprobs under the current weights (all ranks run it)."""
-        batch = {k: v.to(self.device) if self.device else v for k, v in collate(episodes, self.pad_id).items()}
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-        logp = token_logprobs(logits, batch["input_ids"]).cpu()
-        return [
-            logp[b, len(e.prompt_ids) : len(e.prompt_ids) + len(e.completion_ids)].tolist()
-            for b, e in enumerate(episodes)
-        ]
+        return completion_logprobs(self.model, episodes, self.pad_id)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights gathered on every rank (for tests and small models)."""
@@ -237,7 +229,7 @@ class TrainerRank:
             rng["cuda"] = torch.cuda.get_rng_state().tolist()
         (folder / _rng_file(self.rank)).write_text(json.dumps(rng))
         self.pending_save = dcp_io.save(
-            _without_aliases(tensors), folder, async_save=async_save, process_group=self.ckpt_group
+            without_aliases(tensors), folder, async_save=async_save, process_group=self.ckpt_group
         )
 
     def checkpoint_written(self) -> bool:
@@ -261,7 +253,7 @@ class TrainerRank:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"checkpoint {folder} is incomplete or corrupt: {e}") from e
         tensors, _ = self._training_state()
-        stored = _without_aliases(tensors)  # tied weights are stored once; loading fills both names
+        stored = without_aliases(tensors)  # tied weights are stored once; loading fills both names
         self._check_shapes(folder, stored)
         try:
             dcp_io.load(stored, folder, process_group=self.ckpt_group)

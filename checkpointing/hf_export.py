@@ -56,7 +56,7 @@ def export_hf(
 
     Every rank of the process group must call this with its own shards.
     """
-    from weightsync.push import _without_aliases
+    from weightsync.push import without_aliases
 
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
@@ -68,7 +68,7 @@ def export_hf(
     if distributed:
         dist.barrier()
     try:
-        tensors = {k: (v.detach().to(dtype) if dtype else v.detach()) for k, v in _without_aliases(state_dict).items()}
+        tensors = {k: (v.detach().to(dtype) if dtype else v.detach()) for k, v in without_aliases(state_dict).items()}
         mapping = file_index_mapping({k: _global_nbytes(v) for k, v in tensors.items()}, max_shard_bytes)
         sharded = tmp / "sharded"
         with gc_paused():

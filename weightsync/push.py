@@ -38,7 +38,7 @@ def version_dir(shm_root: str | Path, run: str, version: int) -> Path:
     return run_dir(shm_root, run) / f"v{version}"
 
 
-def _without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop keys whose tensor is another key's tensor (tied embeddings): stored once.
 
     Two entries alias when their local data is the same memory seen the same way (address,
@@ -109,7 +109,7 @@ class WeightPusher:
         else:
             writer = ShmSafetensorsWriter(str(out_dir), checksums=self.checksums)
         try:
-            cast = {k: v.detach().to(self.dtype) for k, v in _without_aliases(state_dict).items()}
+            cast = {k: v.detach().to(self.dtype) for k, v in without_aliases(state_dict).items()}
             metadata = dcp.save(cast, storage_writer=writer, no_dist=not distributed)
             shapes = {fqn: list(md.size) for fqn, md in metadata.state_dict_metadata.items()}
             self.store.put_part(version, rank, _entries(writer, shapes))
