@@ -197,8 +197,8 @@ def _keep_metrics_before(path: Path, step: int) -> None:
     """Drop the metric rows of steps a resumed run will redo (and a previous final line)."""
     if not path.exists():
         return
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in rows if not json.loads(line).get("final") and json.loads(line)["step"] < step]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line, row in zip(lines, map(json.loads, lines)) if not row.get("final") and row["step"] < step]
     path.write_text("".join(line + "\n" for line in kept))
 
 
