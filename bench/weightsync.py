@@ -360,7 +360,6 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
                 size, tp, model_bytes, dtype_name, measured[2], bandwidth, ray_s, redis_s, base_a, gather_s
             )
             continue
-        pushes, updates, per_worker, rss_growth, repacks = measured[1]
         unverified = []  # the same, fresh version each time, without checking the checksums
         for version in range(repeats + 1, 2 * repeats + 1):
             pusher.push(state_dict, version)
@@ -376,34 +375,12 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
             t = time.perf_counter()
             llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
             redis_updates.append(time.perf_counter() - t)
-        floor = max(per_worker) / bandwidth
-        update = statistics.median(updates)
-        push = statistics.median(pushes)
         redis_push, redis_update = statistics.median(redis_pushes), statistics.median(redis_updates)
         rows.append(
             {
-                "size": size,
-                "model_bytes": model_bytes,
-                "dtype": dtype_name,
-                "trainer_ranks": 1,
-                "tp": tp,
-                "push_s": push,
-                "update_s": update,
-                "first_update_s": updates[0],
-                "repack_s": statistics.median(repacks),
-                "memcpy_floor_s": floor,
-                "update_over_floor": update / floor,
-                "bytes_read_per_worker": per_worker,
-                "read_fraction_max": max(per_worker) / model_bytes,
-                "worker_rss_growth_bytes_max": max(rss_growth),
-                "baseline_ray_put_get_s": ray_s,
-                "baseline_redis_py_s": redis_s,
-                "speedup_vs_ray": ray_s / (push + update),
-                "speedup_vs_redis_py": redis_s / (push + update),
-                **base_a,
-                "baseline_a_gather_s": 0.0,
-                "speedup_vs_baseline_a": base_a["baseline_a_s"] / (push + update),
-                "memcpy_gbps": bandwidth / 1e9,
+                **_timing_row(
+                    size, model_bytes, dtype_name, 1, tp, measured[1], bandwidth, ray_s, redis_s, base_a, 0.0
+                ),
                 "checksum_s_per_gib": checksum_s_per_gib,
                 "update_noverify_s": statistics.median(unverified),
                 "redis_push_s": redis_push,
@@ -427,48 +404,56 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
     return rows
 
 
-def _rows_ranks2(
-    size, tp, model_bytes, dtype_name, measured, bandwidth, ray_s, redis_s, base_a, gather_s
-) -> list[dict]:
-    """The two-rank (FSDP2) row: push from the ranks, the same vLLM update; baseline (a) adds the
-    FSDP gather onto rank 0. Columns measured only with one rank (Redis plane, verify off) are None."""
+def _timing_row(
+    size, model_bytes, dtype_name, ranks, tp, measured, bandwidth, ray_s, redis_s, base_a, gather_s
+) -> dict:
+    """The columns every row has: our push and update from ``ranks`` trainer ranks, the memcpy
+    floor, and the baselines; baseline (a) includes the FSDP gather onto rank 0 (``gather_s``)."""
     pushes, updates, per_worker, rss_growth, repacks = measured
     push, update = statistics.median(pushes), statistics.median(updates)
     floor = max(per_worker) / bandwidth
     base_a = {**base_a, "baseline_a_s": base_a["baseline_a_s"] + gather_s}
-    return [
-        {
-            "size": size,
-            "model_bytes": model_bytes,
-            "dtype": dtype_name,
-            "trainer_ranks": 2,
-            "tp": tp,
-            "push_s": push,
-            "update_s": update,
-            "first_update_s": updates[0],
-            "repack_s": statistics.median(repacks),
-            "memcpy_floor_s": floor,
-            "update_over_floor": update / floor,
-            "bytes_read_per_worker": per_worker,
-            "read_fraction_max": max(per_worker) / model_bytes,
-            "worker_rss_growth_bytes_max": max(rss_growth),
-            "baseline_ray_put_get_s": ray_s,
-            "baseline_redis_py_s": redis_s,
-            "speedup_vs_ray": ray_s / (push + update),
-            "speedup_vs_redis_py": redis_s / (push + update),
-            **base_a,
-            "baseline_a_gather_s": gather_s,
-            "speedup_vs_baseline_a": base_a["baseline_a_s"] / (push + update),
-            "memcpy_gbps": bandwidth / 1e9,
-            "checksum_s_per_gib": None,
-            "update_noverify_s": None,
-            "redis_push_s": None,
-            "redis_update_s": None,
-            "redis_plane_roundtrip_s": None,
-            "redis_plane_speedup_vs_redis_py": None,
-            "redis_plane_read_speedup_vs_get": None,
-        }
-    ]
+    return {
+        "size": size,
+        "model_bytes": model_bytes,
+        "dtype": dtype_name,
+        "trainer_ranks": ranks,
+        "tp": tp,
+        "push_s": push,
+        "update_s": update,
+        "first_update_s": updates[0],
+        "repack_s": statistics.median(repacks),
+        "memcpy_floor_s": floor,
+        "update_over_floor": update / floor,
+        "bytes_read_per_worker": per_worker,
+        "read_fraction_max": max(per_worker) / model_bytes,
+        "worker_rss_growth_bytes_max": max(rss_growth),
+        "baseline_ray_put_get_s": ray_s,
+        "baseline_redis_py_s": redis_s,
+        "speedup_vs_ray": ray_s / (push + update),
+        "speedup_vs_redis_py": redis_s / (push + update),
+        **base_a,
+        "baseline_a_gather_s": gather_s,
+        "speedup_vs_baseline_a": base_a["baseline_a_s"] / (push + update),
+        "memcpy_gbps": bandwidth / 1e9,
+    }
+
+
+def _rows_ranks2(
+    size, tp, model_bytes, dtype_name, measured, bandwidth, ray_s, redis_s, base_a, gather_s
+) -> list[dict]:
+    """The two-rank (FSDP2) row. Columns measured only with one rank (Redis plane, verify off) are None."""
+    row = _timing_row(size, model_bytes, dtype_name, 2, tp, measured, bandwidth, ray_s, redis_s, base_a, gather_s)
+    one_rank_only = (
+        "checksum_s_per_gib",
+        "update_noverify_s",
+        "redis_push_s",
+        "redis_update_s",
+        "redis_plane_roundtrip_s",
+        "redis_plane_speedup_vs_redis_py",
+        "redis_plane_read_speedup_vs_get",
+    )
+    return [{**row, **dict.fromkeys(one_rank_only)}]
 
 
 def print_table(rows: list[dict]) -> None:
