@@ -208,3 +208,24 @@ def chunk_checksums(tensor: torch.Tensor) -> dict:
     grid = Grid.for_chunk(list(tensor.shape), tensor.element_size())
     raw = tensor.detach().contiguous().view(-1).view(torch.uint8).view(grid.rows, grid.cols * grid.elem)
     return grid.to_json(region_hashes(raw, grid))
+
+
+def row_block_slice(record: dict, sizes: list[int], elem: int, k0: int, k1: int) -> dict:
+    """The checksum record of row blocks ``k0:k1`` of a chunk: the record of the rows they
+    span, seen as a chunk of its own (its grid keeps the parent's block rows and bands)."""
+    grid, hashes = Grid.from_json(record, sizes, elem)
+    return grid.to_json(hashes[k0:k1])
+
+
+def changed_row_blocks(new: dict, old: dict | None, sizes: list[int], elem: int) -> torch.Tensor:
+    """Per row block of a chunk: does any of its tiles' checksums differ from ``old``'s?
+
+    All blocks count as changed when there is no ``old`` record or it has another grid. Two
+    different contents with equal checksums (odds about 2^-64 per tile for any change that is
+    not crafted) would count as unchanged.
+    """
+    grid, hashes = Grid.from_json(new, sizes, elem)
+    if old is None or any(old.get(k) != new[k] for k in ("algo", "block_rows", "band_cols", "word")):
+        return torch.ones(grid.shape[0], dtype=torch.bool)
+    _, before = Grid.from_json(old, sizes, elem)
+    return (hashes != before).any(dim=1)

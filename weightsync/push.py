@@ -2,14 +2,16 @@
 
 Every trainer rank writes only its own shard with PyTorch's DCP and its Hugging Face safetensors
 storage writer (``save_distributed=True``; ``ShmSafetensorsWriter`` gives it a one-copy write
-path), into ``{shm_root}/ws-{run}/v{version}/``. The rank then reads its own file's safetensors
-header (``DCP_SHARDING_INFO`` gives each chunk's offsets in the global tensor) and records its
-chunks in the store; rank 0 commits the version once all ranks have done so. A failed push
-removes its files and parts, so nothing half-written remains.
+path), into ``{shm_root}/ws-{run}/v{version}/`` (or Redis values, ``data_plane="redis"``). The
+writer records each chunk's offsets in the global tensor, location and checksums as it writes;
+the rank puts that part of the index in the store, and rank 0 commits the version once every
+rank has (the ranks agree on success before and after the commit). A failed push removes its
+files, parts and Redis data on every rank, so nothing half-written remains.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -19,8 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from weightsync.redis_data import RedisSafetensorsWriter
-from weightsync.shm_writer import SAFETENSORS_DTYPES, ShmSafetensorsWriter
-from weightsync.store import Chunk, TensorEntry, WeightStore
+from weightsync.shm_writer import SAFETENSORS_DTYPES, BaseChunk, ShmSafetensorsWriter, shard_file_name
+from weightsync.store import TensorEntry, WeightStore, parse_unit, unit_name
 
 # The dtypes a policy can be served in (the push casts the fp32 master weights to one of them).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,17 +61,35 @@ def without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 def _entries(writer: ShmSafetensorsWriter, global_shapes: dict[str, list[int]]) -> dict[str, TensorEntry]:
     """This rank's chunks, as the writer recorded them while writing its shard."""
     return {
-        fqn: TensorEntry(
-            dtype=DTYPE_NAMES[w.dtype],
-            shape=global_shapes[fqn],
-            chunks=[Chunk(w.offsets, w.sizes, writer.location(w.byte_offset), w.checksum)],
-        )
-        for fqn, w in writer.written.items()
+        fqn: TensorEntry(dtype=DTYPE_NAMES[writer.layouts[fqn][2]], shape=global_shapes[fqn], chunks=pieces)
+        for fqn, pieces in writer.chunks.items()
     }
 
 
+def _agree(ok: bool, distributed: bool) -> bool:
+    """True on every rank only if ``ok`` on every rank (a collective when distributed)."""
+    if not distributed:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class PushFailed(RuntimeError):
+    """Another trainer rank's part of a push failed (that rank raised the cause)."""
+
+
 class WeightPusher:
-    """Writes versions of one trainer rank's state dict and (on rank 0) commits and retires them."""
+    """Writes versions of one trainer rank's state dict and (on rank 0) commits and retires them.
+
+    Delta sync (``delta=True``): after the first version, each rank writes only the row blocks
+    of its chunks whose tile checksums changed since the version it committed last; the index
+    points the unchanged rows at the storage of the versions that wrote them, and the store's use
+    counts keep that storage until no committed version points into it. ``delta_max_live``
+    bounds what reuse may keep alive (see ``ShmSafetensorsWriter``).
+    """
 
     def __init__(
         self,
@@ -80,22 +100,32 @@ class WeightPusher:
         *,
         data_plane: str = "shm",
         checksums: bool = True,
+        delta: bool = False,
+        delta_max_live: float = 2.0,
     ) -> None:
         """``data_plane``: "shm" (shard files in ``shm_root``, same host) or "redis" (shard bytes
         as Redis values, any host). ``checksums=False`` skips the tile checksums (then readers
-        cannot verify what they read)."""
+        cannot verify what they read, and delta sync cannot tell what changed)."""
         if dtype not in DTYPES:
             raise ValueError(f"weight sync dtype {dtype!r} is not supported; allowed: {sorted(DTYPES)}")
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be >= 1")
         if data_plane not in DATA_PLANES:
             raise ValueError(f"weight sync data_plane {data_plane!r} is not supported; allowed: {list(DATA_PLANES)}")
+        if delta and not checksums:
+            raise ValueError("delta sync finds the changed chunks by their checksums: it needs checksums=True")
+        if delta_max_live < 1:
+            raise ValueError(f"delta_max_live={delta_max_live} must be >= 1 (1: one shard's bytes)")
         self.store = store
         self.shm_root = Path(shm_root)
         self.dtype = DTYPES[dtype]
         self.keep_last = keep_last
         self.data_plane = data_plane
         self.checksums = checksums
+        self.delta = delta
+        self.delta_max_live = delta_max_live
+        self._base: dict[str, BaseChunk] | None = None  # this rank's last committed chunks
+        self._unit_bytes: dict[str, int] = {}  # bytes of this rank's units the base points into
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int) -> dict:
         """Write and commit ``version``; returns timing and byte counts."""
@@ -103,40 +133,74 @@ class WeightPusher:
         rank = dist.get_rank() if distributed else 0
         world = dist.get_world_size() if distributed else 1
         out_dir = version_dir(self.shm_root, self.store.run, version)
+        unit = unit_name(version, rank)
         start = time.perf_counter()
+        delta = {"base": self._base, "unit_bytes": self._unit_bytes, "max_live": self.delta_max_live}
+        if not self.delta:
+            delta["base"] = None
         if self.data_plane == "redis":
-            writer = RedisSafetensorsWriter(str(out_dir), self.store, version, checksums=self.checksums)
+            writer = RedisSafetensorsWriter(str(out_dir), self.store, version, self.checksums, unit=unit, **delta)
         else:
-            writer = ShmSafetensorsWriter(str(out_dir), checksums=self.checksums)
+            writer = ShmSafetensorsWriter(str(out_dir), self.checksums, unit=unit, **delta)
+        error: BaseException | None = None
         try:
             cast = {k: v.detach().to(self.dtype) for k, v in without_aliases(state_dict).items()}
             metadata = dcp.save(cast, storage_writer=writer, no_dist=not distributed)
             shapes = {fqn: list(md.size) for fqn, md in metadata.state_dict_metadata.items()}
             self.store.put_part(version, rank, _entries(writer, shapes))
-            if distributed:
-                dist.barrier()
-            if rank == 0:
+        except BaseException as exc:  # every rank must learn of it before the commit
+            error = exc
+        if not _agree(error is None, distributed):
+            self._clean_up(version, rank, world, writer, out_dir)
+            raise error or PushFailed(f"weight version {version}: another trainer rank failed to write its part")
+        if rank == 0:
+            try:
                 self.store.commit(version, world)
-        except BaseException:
-            if self.data_plane == "redis":
-                self.store.drop_data(version, writer.keys)
-            if rank == 0:
-                self.store.abort(version, world)
-            shutil.rmtree(out_dir, ignore_errors=True)
-            raise
+            except BaseException as exc:
+                error = exc
+        if not _agree(error is None, distributed):
+            self._clean_up(version, rank, world, writer, out_dir)
+            raise error or PushFailed(f"weight version {version}: rank 0 failed to commit it")
+        self._remember(writer, unit)
         dropped = self.retire() if rank == 0 else []
         return {
             "push_s": time.perf_counter() - start,
             "bytes_written": writer.shard_bytes,
+            "bytes_reused": writer.bytes_reused,
             "dropped_versions": dropped,
         }
 
+    def _clean_up(self, version, rank, world, writer, out_dir) -> None:
+        if self.data_plane == "redis":
+            self.store.drop_data(version, rank, writer.keys)
+        if rank == 0:
+            self.store.abort(version, world)
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+    def _remember(self, writer: ShmSafetensorsWriter, unit: str) -> None:
+        """Keep what this rank committed, as the base of the next delta push."""
+        if not self.delta:
+            return
+        self._base = {
+            fqn: BaseChunk(offsets, sizes, dtype, writer.chunk_checksums[fqn], writer.chunks[fqn])
+            for fqn, (offsets, sizes, dtype) in writer.layouts.items()
+        }
+        self._unit_bytes[unit] = writer.shard_bytes
+        used = {p.location.get("unit") for b in self._base.values() for p in b.pieces}
+        self._unit_bytes = {u: n for u, n in self._unit_bytes.items() if u in used}
+
     def retire(self) -> list[int]:
-        """Drop committed versions beyond ``keep_last`` that no policy replica holds."""
-        dropped = self.store.retire(self.keep_last)
-        for v in dropped:
-            shutil.rmtree(version_dir(self.shm_root, self.store.run, v), ignore_errors=True)
-        return dropped
+        """Drop committed versions beyond ``keep_last`` that no policy replica holds, and the
+        shard files no remaining version points into."""
+        retired = self.store.retire(self.keep_last)
+        run = self.store.run
+        for unit in retired.freed:
+            version, rank = parse_unit(unit)
+            (version_dir(self.shm_root, run, version) / shard_file_name(rank + 1)).unlink(missing_ok=True)
+        for version in {parse_unit(u)[0] for u in retired.freed} | set(retired.dropped):
+            with contextlib.suppress(OSError):  # not empty: a later version still uses some of it
+                version_dir(self.shm_root, run, version).rmdir()
+        return retired.dropped
 
     def remove_all(self) -> None:
         """Remove this run's shared-memory directory and Redis data keys (at the end of a run)."""

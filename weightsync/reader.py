@@ -48,17 +48,24 @@ class _ShardFile:
         self.data_start = 8 + n
         self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
-    def chunk_start(self, fqn: str, sizes: list[int], nbytes: int) -> int:
-        meta = self.header.get(fqn)
+    def chunk_start(self, name: str, row: int, sizes: list[int], elem: int) -> int:
+        """Offset of the first byte of a piece: ``sizes`` elements from row ``row`` on of the
+        stored tensor ``name`` (a whole tensor, or with delta sync a run of rows of one)."""
+        meta = self.header.get(name)
         if meta is None:
-            raise KeyError(f"weight shard {self.path} holds no tensor {fqn!r}")
+            raise KeyError(f"weight shard {self.path} holds no tensor {name!r}")
         start, stop = meta["data_offsets"]
-        if list(meta["shape"]) != list(sizes) or stop - start != nbytes:
+        shape = list(meta["shape"])
+        if len(sizes) >= 2:
+            fits = len(shape) == len(sizes) and shape[1:] == list(sizes[1:]) and row + sizes[0] <= shape[0]
+        else:
+            fits = row == 0 and shape == list(sizes)
+        if not fits:
             raise ValueError(
-                f"weight shard {self.path}: {fqn!r} is stored with shape {meta['shape']} "
-                f"({stop - start} bytes), the index says {sizes} ({nbytes} bytes)"
+                f"weight shard {self.path}: {name!r} is stored with shape {meta['shape']} "
+                f"({stop - start} bytes), the index wants {sizes} from row {row}"
             )
-        return self.data_start + start
+        return self.data_start + start + row * math.prod(shape[1:]) * elem
 
 
 class ChunkSource:
@@ -95,7 +102,8 @@ class ChunkSource:
         kind = chunk.location.get("kind")
         if kind == "shm":
             f = self._file(chunk.location["file"])
-            start = f.chunk_start(fqn, chunk.sizes, math.prod(chunk.sizes) * elem)
+            loc = chunk.location
+            start = f.chunk_start(loc.get("name", fqn), loc.get("row", 0), chunk.sizes, elem)
             region = f.bytes[start + rows[0] * row_bytes : start + rows[1] * row_bytes]
             return region.view(height, row_bytes)[:, cols[0] * elem : cols[1] * elem]
         if kind == "redis":
@@ -258,6 +266,12 @@ def _mismatch(fqn, index, chunk, grid, first, got, want, source) -> str:
         f"read {int(got[tuple(bad)]) & (2**64 - 1):#018x}. The stored bytes are corrupt: push the version "
         "again or update to another one (until an update succeeds, this worker may hold mixed versions)."
     )
+
+
+def covering(entry: TensorEntry, box: Box) -> list[Chunk]:
+    """The stored pieces of ``entry`` that hold part of ``box``. Stored bytes never change, so
+    two versions whose covering pieces are equal hold the same values in ``box``."""
+    return [chunk for chunk in entry.chunks if _overlap(box, chunk) is not None]
 
 
 def read_box(fqn: str, entry: TensorEntry, box: Box, dst: torch.Tensor, source: ChunkSource) -> int:

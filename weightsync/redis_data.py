@@ -2,9 +2,9 @@
 
 A trainer rank's shard (exactly the bytes ``ShmSafetensorsWriter`` would write to ``/dev/shm``:
 header, then each chunk's raw bytes) is cut into pieces of ``PIECE_BYTES`` and stored under
-``ws:{run}:v{version}:data:{rank}:{i}``. The keys are registered in the version's data set
-before they are written, so ``WeightStore.retire`` (and ``abort`` for a failed push) deletes them
-atomically with the version. A chunk's location in the index is
+``ws:{run}:v{version}:data:{rank}:{i}``. The keys are registered in the set of their storage
+unit (version, rank) before they are written, so ``WeightStore.retire`` deletes them atomically
+once no committed version uses the unit (and ``abort`` for a failed push). A chunk's location in the index is
 ``{"kind": "redis", "key": <prefix>, "piece_bytes": ..., "offset": <first byte in the shard>}``;
 a policy on another host needs nothing but the Redis address.
 
@@ -241,18 +241,20 @@ class RedisSafetensorsWriter(ShmSafetensorsWriter):
     ``path`` is only DCP's name for the checkpoint; nothing is written to the file system.
     """
 
-    def __init__(self, path: str, store, version: int, checksums: bool = True) -> None:
-        super().__init__(path, checksums=checksums)
+    def __init__(self, path: str, store, version: int, checksums: bool = True, **delta) -> None:
+        super().__init__(path, checksums=checksums, **delta)
         self.store = store
         self.version = version
         self.keys: list[str] = []
-        self.prefix: str | None = None
+
+    @property
+    def prefix(self) -> str:
+        return self.store.data_prefix(self.version, self.shard_index - 1)
 
     def prepare_local_plan(self, plan):
         return plan  # no directory to make
 
     def _emit(self, file_name: str, parts: list[memoryview | bytes]) -> None:
-        self.prefix = self.store.data_prefix(self.version, self.shard_index - 1)
         pieces: list[list[memoryview | bytes]] = [[]]
         room = PIECE_BYTES
         for part in parts:
@@ -266,15 +268,22 @@ class RedisSafetensorsWriter(ShmSafetensorsWriter):
                 room -= len(take)
                 view = view[len(take) :]
         self.keys = [f"{self.prefix}:{i}" for i in range(len(pieces))]
-        self.store.register_data(self.version, self.keys)
+        self.store.register_data(self.version, self.shard_index - 1, self.keys)
         client = RawRedis(self.store.url)
         try:
             client.set_pieces(self.keys, pieces)
         finally:
             client.close()
 
-    def location(self, byte_offset: int) -> dict:
-        return {"kind": "redis", "key": self.prefix, "piece_bytes": PIECE_BYTES, "offset": byte_offset}
+    def location(self, name: str, byte_offset: int) -> dict:
+        return {
+            "kind": "redis",
+            "key": self.prefix,
+            "piece_bytes": PIECE_BYTES,
+            "offset": byte_offset,
+            "unit": self.unit,
+            "push": self.push_id,
+        }
 
 
 def tensor_view(buf: torch.Tensor, nbytes: int) -> memoryview:

@@ -9,16 +9,29 @@ tensor's bytes directly from the tensor: one copy, into the page cache of ``/dev
 The output is byte-for-byte a safetensors file that ``safe_open`` and DCP's
 ``HuggingFaceStorageReader`` read.
 
-While writing, it records each chunk it wrote (``written``: offsets, sizes, dtype, byte offset in
-the shard, tile checksums from ``weightsync.checksum`` unless ``checksums=False``), from which the
-push builds the index. Subclasses send the same shard bytes elsewhere by overriding ``_emit``
-(``weightsync.redis_data.RedisSafetensorsWriter`` stores them as Redis values).
+While writing, it records the index pieces of each chunk (``chunks``: fqn -> ``Chunk`` list with
+offsets, sizes, location and tile checksums from ``weightsync.checksum``, unless
+``checksums=False``), from which the push builds the index. Subclasses send the same shard bytes
+elsewhere by overriding ``_emit`` (``weightsync.redis_data.RedisSafetensorsWriter`` stores them
+as Redis values).
+
+Delta sync (``base``: what this rank committed last, per chunk). The writer checksums every
+chunk first and compares it, row block by row block (the checksums' row blocks, at most
+256 KiB of whole rows), with the base. Only runs of changed row blocks are written, each as a
+tensor of its own named ``{fqn}[{first}:{stop}]`` (rows of the chunk; ``DCP_SHARDING_INFO``
+holds their offsets in the global tensor); the unchanged rows are described by the base's pieces,
+cut to those rows, which point into older versions' storage. Such a shard is a valid safetensors
+file, but only the version's index says how its pieces make up the tensors. If the reused pieces
+would keep more than ``max_live`` times the rank's whole shard alive (counting each older unit
+whole, as it is freed only whole), the writer writes every chunk whole instead.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,7 +42,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from weightsync.checksum import chunk_checksums
+from weightsync.checksum import changed_row_blocks, chunk_checksums, row_block_slice
+from weightsync.store import Chunk
 
 DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"  # header keys DCP's Hugging Face writer and reader use
 DCP_VERSION_KEY = "DCP_VERSION"
@@ -57,36 +71,128 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 @dataclass(frozen=True)
-class WrittenChunk:
-    """One chunk as written into a shard: where it sits in the global tensor and in the shard."""
+class BaseChunk:
+    """What a rank committed last for one chunk: its layout, its tile checksums, and the index
+    pieces that hold its bytes (in the unit that wrote them, possibly an older version's)."""
 
     offsets: list[int]
     sizes: list[int]
     dtype: torch.dtype
-    byte_offset: int  # of its first byte in the shard (header included)
-    checksum: dict | None
+    checksum: dict
+    pieces: list[Chunk]
+
+
+def _rows(sizes: list[int]) -> int:
+    """Rows a chunk is cut into for delta sync: its first dimension (a 0-/1-D chunk is one row)."""
+    return sizes[0] if len(sizes) >= 2 else 1
+
+
+def _row_runs(mask: torch.Tensor, block_rows: int, rows: int) -> list[tuple[int, int]]:
+    """Row ranges of the runs of True row blocks in ``mask``."""
+    runs = []
+    flags = mask.tolist()
+    k = 0
+    while k < len(flags):
+        if flags[k]:
+            j = k
+            while j < len(flags) and flags[j]:
+                j += 1
+            runs.append((k * block_rows, min(j * block_rows, rows)))
+            k = j
+        else:
+            k += 1
+    return runs
+
+
+def _cut_piece(piece: Chunk, chunk_offsets: list[int], lo: int, hi: int, elem: int) -> Chunk:
+    """Rows ``lo:hi`` (of the chunk at ``chunk_offsets``) of a stored piece that covers them."""
+    first = piece.offsets[0] - chunk_offsets[0]
+    if (first, first + piece.sizes[0]) == (lo, hi):
+        return piece
+    skip = lo - first
+    location = dict(piece.location)
+    if location["kind"] == "redis":
+        location["offset"] += skip * math.prod(piece.sizes[1:]) * elem
+    else:
+        location["row"] = location.get("row", 0) + skip
+    checksum = piece.checksum
+    if checksum is not None:
+        block_rows = checksum["block_rows"]
+        checksum = row_block_slice(checksum, piece.sizes, elem, skip // block_rows, -(-(hi - first) // block_rows))
+    return Chunk([piece.offsets[0] + skip, *piece.offsets[1:]], [hi - lo, *piece.sizes[1:]], location, checksum)
 
 
 class ShmSafetensorsWriter(HuggingFaceStorageWriter):
-    """``HuggingFaceStorageWriter(save_distributed=True)`` with a one-copy write path."""
+    """``HuggingFaceStorageWriter(save_distributed=True)`` with a one-copy write path.
 
-    def __init__(self, path: str, checksums: bool = True) -> None:
+    ``unit``: the storage unit name recorded in every location (see ``weightsync.store``);
+    ``base``: fqn -> ``BaseChunk`` for delta sync (None: write every chunk whole);
+    ``unit_bytes``: bytes of the older units the base points into (for ``max_live``).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        checksums: bool = True,
+        *,
+        unit: str = "",
+        base: dict[str, BaseChunk] | None = None,
+        unit_bytes: dict[str, int] | None = None,
+        max_live: float = 2.0,
+    ) -> None:
         super().__init__(path=path, save_distributed=True)
+        if base is not None and not checksums:
+            raise ValueError("delta sync compares checksums: it needs checksums=True")
         self.checksums = checksums
-        self.written: dict[str, WrittenChunk] = {}
+        self.unit = unit
+        self.base = base
+        self.unit_bytes = unit_bytes or {}
+        self.max_live = max_live
+        self.chunks: dict[str, list[Chunk]] = {}  # index pieces per fqn
+        self.chunk_checksums: dict[str, dict] = {}  # tile checksums of each whole chunk
+        self.layouts: dict[str, tuple[list[int], list[int], torch.dtype]] = {}  # offsets, sizes, dtype
         self.shard_name: str | None = None
         self.shard_index = 0
         self.shard_bytes = 0
+        self.bytes_reused = 0  # chunk bytes described by older versions' pieces
+        # Tells this push's pieces from those of another push of the same version number (a
+        # run pushed again into a store that still holds it): equal pieces mean equal bytes.
+        self.push_id = uuid.uuid4().hex[:12]
 
-    def location(self, byte_offset: int) -> dict:
-        """The index's location of a chunk that starts at ``byte_offset`` of this rank's shard."""
-        return {"kind": "shm", "file": str(self.fs.concat_path(self.path, self.shard_name))}
+    def location(self, name: str, byte_offset: int) -> dict:
+        """The index's location of a stored tensor ``name`` that starts at ``byte_offset`` of the shard."""
+        return {
+            "kind": "shm",
+            "file": str(self.fs.concat_path(self.path, self.shard_name)),
+            "name": name,
+            "unit": self.unit,
+            "push": self.push_id,
+        }
 
     def _emit(self, file_name: str, parts: list[memoryview | bytes]) -> None:
         """Store the shard, given as consecutive byte strings."""
         with open(self.fs.concat_path(self.path, file_name), "wb") as f:
             for part in parts:
                 f.write(part)
+
+    def _plan_delta(self, fqn: str, offsets: list[int], tensor: torch.Tensor, checksum: dict):
+        """(row ranges to write, pieces reused from the base) for one chunk."""
+        rows = _rows(list(tensor.shape))
+        base = self.base.get(fqn) if self.base else None
+        if base is None or (base.offsets, base.sizes, base.dtype) != (offsets, list(tensor.shape), tensor.dtype):
+            return [(0, rows)], []
+        elem = tensor.element_size()
+        changed = changed_row_blocks(checksum, base.checksum, list(tensor.shape), elem)
+        block_rows = checksum["block_rows"] if len(tensor.shape) >= 2 else rows
+        writes = _row_runs(changed, block_rows, rows)
+        reused = []
+        for lo, hi in _row_runs(~changed, block_rows, rows):
+            for piece in base.pieces:
+                first = piece.offsets[0] - offsets[0] if len(tensor.shape) >= 2 else 0
+                a, b = max(lo, first), min(hi, first + _rows(piece.sizes))
+                if a < b:
+                    reused.append(_cut_piece(piece, offsets, a, b, elem) if len(tensor.shape) >= 2 else piece)
+        return writes, reused
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future: Future = Future()
@@ -96,25 +202,48 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         if any(item.type == WriteItemType.BYTE_IO for item in plan.items):
             raise ValueError("weight sync pushes tensors only; the state dict holds non-tensor values")
         self.shard_index = plan.storage_data["shard_index"]  # rank + 1
-        file_name = shard_file_name(self.shard_index)
-        tensors = []
-        header: dict[str, dict] = {}
-        sharding: dict[str, dict] = {}
-        offset = 0
+        self.shard_name = file_name = shard_file_name(self.shard_index)
+        items = []
         for item in plan.items:
             tensor = planner.resolve_data(item)
             if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu:
                 raise ValueError(f"{item.index.fqn}: weight sync writes CPU tensors only")
             tensor = tensor.detach().contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
-            header[item.index.fqn] = {
-                "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-                "shape": list(tensor.shape),
-                "data_offsets": [offset, offset + nbytes],
+            items.append((item, list(item.tensor_data.chunk.offsets), tensor))
+            self.layouts[item.index.fqn] = (items[-1][1], list(tensor.shape), tensor.dtype)
+        # Which rows of each chunk to write, and which pieces of the base describe the rest.
+        plans = {item.index.fqn: ([(0, _rows(list(t.shape)))], []) for item, _, t in items}
+        if self.base is not None:
+            self.chunk_checksums = {item.index.fqn: chunk_checksums(t) for item, _, t in items}
+            delta = {
+                item.index.fqn: self._plan_delta(item.index.fqn, off, t, self.chunk_checksums[item.index.fqn])
+                for item, off, t in items
             }
-            sharding[item.index.fqn] = {"saved_offsets": list(item.tensor_data.chunk.offsets)}
-            tensors.append((item, tensor, offset, nbytes))
-            offset += nbytes
+            total = sum(t.numel() * t.element_size() for _, _, t in items)
+            new = sum(_rows_bytes(t, runs) for (_, _, t), (runs, _) in zip(items, delta.values()))
+            units = {p.location.get("unit") for _, reused in delta.values() for p in reused}
+            if new + sum(self.unit_bytes.get(u, total) for u in units) <= self.max_live * total:
+                plans = delta
+        # The shard: every run to write, as a tensor of its own.
+        header: dict[str, dict] = {}
+        sharding: dict[str, dict] = {}
+        runs = []  # (item, chunk offsets, whole chunk, name, rows, run tensor, offset in the data)
+        offset = 0
+        for item, offsets, tensor in items:
+            whole = _rows(list(tensor.shape))
+            for r0, r1 in plans[item.index.fqn][0]:
+                is_whole = (r0, r1) == (0, whole)
+                name = item.index.fqn if is_whole else f"{item.index.fqn}[{r0}:{r1}]"
+                part = tensor if is_whole else tensor[r0:r1]
+                nbytes = part.numel() * part.element_size()
+                header[name] = {
+                    "dtype": SAFETENSORS_DTYPES[part.dtype],
+                    "shape": list(part.shape),
+                    "data_offsets": [offset, offset + nbytes],
+                }
+                sharding[name] = {"saved_offsets": list(offsets) if is_whole else [offsets[0] + r0, *offsets[1:]]}
+                runs.append((item, offsets, tensor, name, (r0, r1), part, offset))
+                offset += nbytes
         header["__metadata__"] = {
             DCP_SHARDING_INFO_KEY: json.dumps(sharding),
             DCP_VERSION_KEY: HF_DCP_VERSION,
@@ -123,30 +252,55 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
         data_start = 8 + len(raw)
-        results = []
         parts: list[memoryview | bytes] = [struct.pack("<Q", len(raw)), raw]
-        parts += [_tensor_bytes(tensor) for _, tensor, _, nbytes in tensors if nbytes]
+        parts += [_tensor_bytes(part) for *_, part, _ in runs if part.numel()]
         # The shard goes out on a thread (file writes and socket sends release the GIL) while
-        # this one computes the checksums of the same, unchanging tensors.
+        # this one computes the checksums of the same, unchanging tensors. Nothing changed:
+        # no shard at all.
         with ThreadPoolExecutor(1) as pool:
-            emitted = pool.submit(self._emit, file_name, parts)
-            for item, tensor, tensor_offset, nbytes in tensors:
-                self.written[item.index.fqn] = WrittenChunk(
-                    offsets=list(item.tensor_data.chunk.offsets),
-                    sizes=list(tensor.shape),
-                    dtype=tensor.dtype,
-                    byte_offset=data_start + tensor_offset,
-                    checksum=chunk_checksums(tensor) if self.checksums else None,
-                )
-                results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=nbytes,
-                        storage_data=_StorageInfo(file_name, data_start + tensor_offset, nbytes),
+            emitted = pool.submit(self._emit, file_name, parts) if runs else None
+            for item, _, tensor in items:
+                fqn = item.index.fqn
+                if self.checksums and fqn not in self.chunk_checksums:
+                    self.chunk_checksums[fqn] = chunk_checksums(tensor)
+                reused = plans[fqn][1]
+                self.bytes_reused += sum(math.prod(p.sizes) for p in reused) * tensor.element_size()
+                self.chunks[fqn] = list(reused)
+            for item, offsets, tensor, name, (r0, r1), part, part_offset in runs:
+                checksum = self.chunk_checksums.get(item.index.fqn)
+                if checksum is not None and part is not tensor:
+                    block_rows = checksum["block_rows"]
+                    checksum = row_block_slice(
+                        checksum, list(tensor.shape), tensor.element_size(), r0 // block_rows, -(-r1 // block_rows)
                     )
+                first = list(offsets) if part is tensor else [offsets[0] + r0, *offsets[1:]]
+                self.chunks[item.index.fqn].append(
+                    Chunk(first, list(part.shape), self.location(name, data_start + part_offset), checksum)
                 )
-            emitted.result()
-        self.shard_name = file_name
-        self.shard_bytes = data_start + offset
-        future.set_result(results)
+            for pieces in self.chunks.values():
+                pieces.sort(key=lambda c: c.offsets[:1])
+            if emitted is not None:
+                emitted.result()
+        self.shard_bytes = data_start + offset if runs else 0
+        # DCP's write results; a chunk written in pieces points at its first written run (the
+        # version's index, not DCP's metadata, says where all of a chunk's rows are).
+        first_run: dict[str, tuple[int, int]] = {}
+        for item, *_, part, part_offset in runs:
+            first_run.setdefault(item.index.fqn, (data_start + part_offset, part.numel() * part.element_size()))
+        future.set_result(
+            [
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=tensor.numel() * tensor.element_size(),
+                    storage_data=_StorageInfo(file_name, *first_run.get(item.index.fqn, (0, 0))),
+                )
+                for item, _, tensor in items
+            ]
+        )
         return future
+
+
+def _rows_bytes(tensor: torch.Tensor, runs: list[tuple[int, int]]) -> int:
+    """Bytes of the row ranges ``runs`` of a chunk."""
+    row = tensor.numel() * tensor.element_size() // max(1, _rows(list(tensor.shape)))
+    return sum(r1 - r0 for r0, r1 in runs) * row

@@ -1,19 +1,25 @@
 """The tensor store's control plane, on Redis. Metadata is JSON; nothing is ever pickled.
 
-Keys, for a run ``R`` and version ``v``:
+Keys, for a run ``R``, version ``v`` and trainer rank ``r``:
 
-- ``ws:R:v{v}:part:{rank}``  one trainer rank's chunk list (JSON), written before the commit
+- ``ws:R:v{v}:part:{r}``     one trainer rank's chunk list (JSON), written before the commit
 - ``ws:R:v{v}:index``        the committed index (JSON): fqn -> dtype, global shape, chunks
 - ``ws:R:versions``          sorted set of committed versions
 - ``ws:R:latest``            the newest committed version
 - ``ws:R:v{v}:leases``       set of holders (policy replicas) that pin version ``v``
-- ``ws:R:v{v}:data``         set of the Redis data-plane keys that hold ``v``'s shard bytes
-  (``ws:R:v{v}:data:{rank}:{piece}``, see ``weightsync.redis_data``); registered before they are
-  written, deleted with the version (by ``retire``, or by ``abort`` for a failed push)
+- ``ws:R:unit:{v}:{r}``      set of the Redis data-plane keys that hold the bytes rank ``r``
+  wrote for version ``v`` (``ws:R:v{v}:data:{r}:{piece}``, see ``weightsync.redis_data``);
+  registered before they are written. Empty for the shared-memory plane, whose unit is the
+  file ``ws-R/v{v}/shard-{r+1}-...``.
+- ``ws:R:v{v}:uses``         the storage units (``"{v}:{r}"``) whose bytes version ``v``'s index
+  points into: its own, and with delta sync older versions' (chunks that did not change)
+- ``ws:R:refs``              hash: unit -> number of committed versions that use it
 
 A version becomes visible only through ``commit``, which writes its index, adds it to
-``versions`` and moves ``latest`` in one MULTI/EXEC transaction, and only once every rank's part
-is present: a reader can never see a half-written version.
+``versions``, moves ``latest`` and counts its uses in one MULTI/EXEC transaction, and only once
+every rank's part is present: a reader can never see a half-written version. ``retire`` drops a
+version and frees the units no remaining version uses (reference counting), so a chunk that a
+newer version reuses outlives the version that wrote it.
 """
 
 from __future__ import annotations
@@ -94,35 +100,61 @@ local function drop_data(set)
 end
 """
 
-# KEYS: versions zset; ARGV: keep_last, key prefix. Returns the dropped versions.
+# KEYS: versions zset, refs hash; ARGV: keep_last, key prefix. Returns {dropped versions, freed
+# units}: a dropped version releases its uses, and a unit no committed version uses any more is
+# freed (its Redis data keys deleted here; its shared-memory file is the caller's to remove).
 _RETIRE_LUA = (
     _DROP_DATA_LUA
     + """
 local versions = redis.call('ZRANGE', KEYS[1], 0, -1)
-local dropped = {}
+local dropped, freed = {}, {}
 for i = 1, #versions - tonumber(ARGV[1]) do
   local v = versions[i]
   local leases = ARGV[2] .. 'v' .. v .. ':leases'
   if redis.call('SCARD', leases) == 0 then
     redis.call('ZREM', KEYS[1], v)
     redis.call('DEL', ARGV[2] .. 'v' .. v .. ':index', leases)
-    drop_data(ARGV[2] .. 'v' .. v .. ':data')
+    local uses = ARGV[2] .. 'v' .. v .. ':uses'
+    for _, unit in ipairs(redis.call('SMEMBERS', uses)) do
+      if redis.call('HINCRBY', KEYS[2], unit, -1) <= 0 then
+        redis.call('HDEL', KEYS[2], unit)
+        drop_data(ARGV[2] .. 'unit:' .. unit)
+        table.insert(freed, unit)
+      end
+    end
+    redis.call('DEL', uses)
     table.insert(dropped, v)
   end
 end
-return dropped
+return {dropped, freed}
 """
 )
 
-# KEYS: part keys; ARGV: the version's data set. Forgets an uncommitted version.
+# KEYS: part keys; ARGV: the version's unit sets. Forgets an uncommitted version.
 _ABORT_LUA = (
     _DROP_DATA_LUA
     + """
 if #KEYS > 0 then redis.call('DEL', unpack(KEYS)) end
-drop_data(ARGV[1])
+for _, set in ipairs(ARGV) do drop_data(set) end
 return 1
 """
 )
+
+
+def unit_name(version: int, rank: int) -> str:
+    """The storage unit of the bytes trainer rank ``rank`` wrote for ``version``."""
+    return f"{version}:{rank}"
+
+
+def parse_unit(unit: str) -> tuple[int, int]:
+    version, rank = unit.split(":")
+    return int(version), int(rank)
+
+
+@dataclass(frozen=True)
+class Retired:
+    dropped: list[int]  # versions removed from the store
+    freed: list[str]  # storage units no committed version uses any more
 
 
 class WeightStore:
@@ -149,7 +181,12 @@ class WeightStore:
         self._r.set(self._key(f"v{version}", f"part:{rank}"), json.dumps(payload))
 
     def commit(self, version: int, world_size: int) -> dict[str, TensorEntry]:
-        """Merge all ranks' parts into the index and publish ``version`` atomically."""
+        """Merge all ranks' parts into the index and publish ``version`` atomically.
+
+        The storage units its chunks point into (its own, and older versions' that delta sync
+        reuses) are counted as used by it; a reused unit must still be in use by a committed
+        version (the pusher reuses only chunks of the version it committed last).
+        """
         part_keys = [self._key(f"v{version}", f"part:{rank}") for rank in range(world_size)]
         parts = self._r.mget(part_keys)
         missing = [rank for rank, p in enumerate(parts) if p is None]
@@ -164,18 +201,32 @@ class WeightStore:
                     merged[fqn]["chunks"].extend(entry["chunks"])
                 else:
                     merged[fqn] = entry
+        own = {unit_name(version, rank) for rank in range(world_size)}
+        reused = {c["location"]["unit"] for e in merged.values() for c in e["chunks"] if "unit" in c["location"]} - own
+        if reused:
+            counts = self._r.hmget(self._key("refs"), sorted(reused))
+            gone = [u for u, n in zip(sorted(reused), counts) if n is None]
+            if gone:
+                raise RuntimeError(
+                    f"cannot commit weight version {version}: it reuses chunks of storage units {gone}, "
+                    "which were already freed"
+                )
         pipe = self._r.pipeline(transaction=True)
         pipe.set(self._key(f"v{version}", "index"), json.dumps(merged))
         pipe.zadd(self._key("versions"), {str(version): version})
         pipe.set(self._key("latest"), version)
         pipe.delete(*part_keys)
+        pipe.sadd(self._key(f"v{version}", "uses"), *sorted(own | reused))
+        for unit in sorted(own | reused):
+            pipe.hincrby(self._key("refs"), unit, 1)
         pipe.execute()
         return {fqn: _entry_from_json(e) for fqn, e in merged.items()}
 
     def abort(self, version: int, world_size: int) -> None:
         """Forget an uncommitted version: its parts and its Redis data keys (files are the caller's)."""
         parts = [self._key(f"v{version}", f"part:{rank}") for rank in range(world_size)]
-        self._abort_script(keys=parts, args=[self._key(f"v{version}", "data")])
+        units = [self._key("unit", unit_name(version, rank)) for rank in range(world_size)]
+        self._abort_script(keys=parts, args=units)
 
     # -- Redis data plane ----------------------------------------------------------------------
 
@@ -183,26 +234,28 @@ class WeightStore:
         """Key prefix of one rank's shard bytes for ``version`` (pieces are ``{prefix}:{i}``)."""
         return self._key(f"v{version}", "data", rank)
 
-    def register_data(self, version: int, keys: list[str]) -> None:
-        """Record data keys of ``version`` before writing them, so that retire/abort delete them."""
+    def register_data(self, version: int, rank: int, keys: list[str]) -> None:
+        """Record data keys of rank ``rank``'s unit of ``version`` before writing them, so that
+        retire/abort delete them."""
         if keys:
-            self._r.sadd(self._key(f"v{version}", "data"), *keys)
+            self._r.sadd(self._key("unit", unit_name(version, rank)), *keys)
 
-    def drop_data(self, version: int, keys: list[str]) -> None:
-        """Delete some of ``version``'s data keys (one rank's, after its push failed)."""
+    def drop_data(self, version: int, rank: int, keys: list[str]) -> None:
+        """Delete some of a unit's data keys (one rank's, after its push failed)."""
         if keys:
             pipe = self._r.pipeline(transaction=True)
             pipe.delete(*keys)
-            pipe.srem(self._key(f"v{version}", "data"), *keys)
+            pipe.srem(self._key("unit", unit_name(version, rank)), *keys)
             pipe.execute()
 
     def drop_all_data(self) -> None:
-        """Delete every version's Redis data keys of this run (at the end of a run)."""
-        for data_set in self._r.scan_iter(match=self._key("v*", "data"), count=1000):
+        """Delete every unit's Redis data keys of this run and the use counts (at the end of a run)."""
+        for data_set in self._r.scan_iter(match=self._key("unit", "*"), count=1000):
             keys = list(self._r.smembers(data_set))
             for i in range(0, len(keys), 1000):
                 self._r.delete(*keys[i : i + 1000])
             self._r.delete(data_set)
+        self._r.delete(self._key("refs"))
 
     # -- reader side ---------------------------------------------------------------------------
 
@@ -243,14 +296,25 @@ class WeightStore:
 
     # -- retention -----------------------------------------------------------------------------
 
-    def retire(self, keep_last: int) -> list[int]:
+    def retire(self, keep_last: int) -> Retired:
         """Drop committed versions outside the newest ``keep_last`` that no holder pins.
 
         One atomic script: a lease taken concurrently either lands first (the version stays) or
-        finds the version gone. Returns the dropped versions; their data is the caller's to free.
+        finds the version gone. Returns the dropped versions and the storage units no remaining
+        version uses; their Redis data is deleted, their shared-memory files are the caller's.
         """
-        dropped = self._retire_script(keys=[self._key("versions")], args=[keep_last, self._key("")])
-        return [int(v) for v in dropped]
+        dropped, freed = self._retire_script(
+            keys=[self._key("versions"), self._key("refs")], args=[keep_last, self._key("")]
+        )
+        return Retired([int(v) for v in dropped], sorted((u.decode() for u in freed), key=parse_unit))
+
+    def uses(self, version: int) -> set[str]:
+        """The storage units a committed version's index points into."""
+        return {u.decode() for u in self._r.smembers(self._key(f"v{version}", "uses"))}
+
+    def use_counts(self) -> dict[str, int]:
+        """Storage unit -> number of committed versions that use it."""
+        return {k.decode(): int(n) for k, n in self._r.hgetall(self._key("refs")).items()}
 
     def close(self) -> None:
         self._r.close()

@@ -4,6 +4,11 @@
 methods to each tensor-parallel worker, where ``self.model_runner.model`` is the live model;
 ``llm.collective_rpc("update_weights_from_store", args=(...))`` runs them on all workers.
 
+Delta sync: a worker remembers the index of the version it loaded last. Where the new version's
+pieces covering a slice equal the loaded version's (delta sync reused them), the slice already
+holds those values and is not read again; a layer none of whose slices changed is not repacked.
+A failed update forgets the loaded version, so the next one reads everything.
+
 Repacked weights: after loading, a layer's ``quant_method.process_weights_after_loading`` may
 turn the dense weight into a backend-specific form. On CPU, vLLM packs every linear weight for
 oneDNN / its GEMM kernels and frees the dense parameter (an empty tensor remains), so a copy into
@@ -15,12 +20,13 @@ nothing is repacked (unquantized layers on GPU) the copy lands in the live param
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from weightsync.layout import TIED_ALIASES, pieces_for
-from weightsync.reader import ChunkSource, read_box
+from weightsync.reader import ChunkSource, covering, read_box
 from weightsync.store import TensorEntry, WeightStore
 
 
@@ -34,10 +40,13 @@ def _dense_shape(layer: torch.nn.Module) -> tuple[int, int]:
 class WeightSyncExtension:
     _dense: dict[str, torch.Tensor]
 
-    def _live_parameters(self) -> list[tuple[str, torch.Tensor, torch.nn.Module, list[torch.nn.Module]]]:
+    def _live_parameters(
+        self, attach: bool = True
+    ) -> list[tuple[str, torch.Tensor, torch.nn.Module, list[torch.nn.Module]]]:
         """(name, tensor to write, owning layer, every layer sharing it) for each parameter.
 
-        Weights that vLLM freed after repacking are restored from this worker's dense buffers.
+        Weights that vLLM freed after repacking are this worker's dense buffers (``attach``:
+        also made the layer's weight again, as ``process_weights_after_loading`` expects).
         Tied parameters (a tied LM head shares the embedding's) are listed once, with all their
         layers, since each layer may hold its own packed copy.
         """
@@ -60,7 +69,8 @@ class WeightSyncExtension:
                 if name not in self._dense:
                     self._dense[name] = torch.empty(_dense_shape(layer), dtype=layer.params_dtype)
                 param = self._dense[name]
-                layer.weight = torch.nn.Parameter(param, requires_grad=False)
+                if attach:
+                    layer.weight = torch.nn.Parameter(param, requires_grad=False)
             out.append((name, param, layer, owners))
         return out
 
@@ -69,6 +79,7 @@ class WeightSyncExtension:
 
         Chunks are read from where the index says (shared-memory files or Redis values at
         ``redis_url``); ``verify`` checks the tile checksums of every byte read before copying it.
+        Slices whose stored pieces equal those of the version loaded last are skipped.
         """
         start = time.perf_counter()
         store = WeightStore(redis_url, run)
@@ -76,18 +87,29 @@ class WeightSyncExtension:
             index = store.index(version)
         finally:
             store.close()
+        loaded = getattr(self, "_ws_loaded", None)
+        previous = loaded[1] if loaded is not None and loaded[0] == run else {}
+        self._ws_loaded = None  # until this update has succeeded
         files = ChunkSource(redis_url, version, verify)
-        nbytes = 0
+        nbytes = skipped = 0
         repack = []
         on_cpu = _is_cpu()
         try:
             with torch.no_grad():
-                for name, param, layer, owners in self._live_parameters():
+                for name, param, layer, owners in self._live_parameters(attach=False):
+                    changed = False
                     for piece in pieces_for(name, param, layer):
-                        entry = _entry_for(index, piece.hf_name, name, version)
+                        hf_name, entry = _entry_for(index, piece.hf_name, name, version)
+                        before = previous.get(hf_name)
+                        if before is not None and covering(before, piece.src) == covering(entry, piece.src):
+                            skipped += math.prod(hi - lo for lo, hi in piece.src) * param.element_size()
+                            continue
                         dst = param[tuple(slice(lo, hi) for lo, hi in piece.dst)]
-                        nbytes += read_box(entry[0], entry[1], piece.src, dst, files)
-                    if on_cpu or name in self._dense:
+                        nbytes += read_box(hf_name, entry, piece.src, dst, files)
+                        changed = True
+                    if changed and name in self._dense:
+                        layer.weight = torch.nn.Parameter(param, requires_grad=False)
+                    if changed and (on_cpu or name in self._dense):
                         repack.extend(owners)
         finally:
             files.close()
@@ -99,8 +121,10 @@ class WeightSyncExtension:
                 seen.add(id(layer))
                 method.process_weights_after_loading(layer)
         end = time.perf_counter()
+        self._ws_loaded = (run, index)
         return {
             "bytes_read": nbytes,
+            "bytes_skipped": skipped,
             "tiles_verified": files.tiles_verified,
             "update_s": end - start,
             "copy_s": copied - start,
