@@ -125,6 +125,8 @@ class Policy:
         return {
             "update_s": max(s["update_s"] for s in stats),
             "bytes_read_per_worker": [s["bytes_read"] for s in stats],
+            # Slices delta sync left in place (their stored pieces equal the loaded version's).
+            "bytes_skipped_per_worker": [s["bytes_skipped"] for s in stats],
         }
 
     def close(self) -> None:

@@ -52,3 +52,59 @@ def push_from_ranks(
         nprocs=world,
         join=True,
     )
+
+
+def edited_model(model_path: str, seed: int, edits: list[tuple[str, int, int, float]]):
+    """``perturbed_model`` with ``value`` added to rows ``lo:hi`` of each named parameter."""
+    model = perturbed_model(model_path, seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, lo, hi, value in edits:
+            params[name][lo:hi] += value
+    return model
+
+
+def _versions_main(rank, world, init_file, model_path, seed, redis_url, run, shm_root, pushes, data_plane, out):
+    """One pusher per rank for several versions; version ``i`` is the model with the edits of
+    pushes ``0..i`` applied. Writes each push's stats to ``{out}-{rank}.json``."""
+    import json
+
+    from torch.distributed.fsdp import fully_shard
+
+    from weightsync.push import WeightPusher
+    from weightsync.store import WeightStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        pusher = WeightPusher(
+            WeightStore(redis_url, run), shm_root, keep_last=len(pushes), data_plane=data_plane, delta=True
+        )
+        edits, stats = [], []
+        for version, more in pushes:
+            edits += more
+            model = edited_model(model_path, seed, edits)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            stats.append(pusher.push(model.state_dict(), version))
+        with open(f"{out}-{rank}.json", "w") as f:
+            json.dump(stats, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def push_versions_from_ranks(world, tmp_path, model_path, seed, redis_url, run, shm_root, pushes, data_plane="shm"):
+    """Delta-push ``pushes`` = [(version, [(param, lo, hi, value), ...]), ...] from ``world``
+    FSDP2 ranks; returns each rank's list of push stats."""
+    import json
+
+    init_file = str(tmp_path / f"pg-delta-{pushes[0][0]}")
+    out = str(tmp_path / f"stats-{pushes[0][0]}")
+    mp.spawn(
+        _versions_main,
+        args=(world, init_file, model_path, seed, redis_url, run, str(shm_root), pushes, data_plane, out),
+        nprocs=world,
+        join=True,
+    )
+    return [json.load(open(f"{out}-{rank}.json")) for rank in range(world)]

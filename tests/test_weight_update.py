@@ -161,3 +161,45 @@ def test_a_corrupt_shard_byte_fails_the_update_naming_the_tensor(policy_tp2, ray
         assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), before) < TOL
     finally:
         shutil.rmtree(shm_root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("data_plane", ["shm", "redis"])
+def test_delta_versions_update_only_what_changed_and_match_the_trainer(
+    data_plane, policy_tp2, ray_session, redis_url, tiny_model_path, shm_root
+):
+    """Delta sync into TP=2: a version that changes a few rows of a column-parallel and of a
+    row-parallel layer is pushed and read as those rows only, and vLLM matches the trainer."""
+    store = WeightStore(redis_url, "test-sync-tp2")
+    before = _vllm_logprobs(ray_session, policy_tp2)
+    model = perturbed_model(tiny_model_path, seed=31)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    pusher = WeightPusher(store, shm_root=shm_root, data_plane=data_plane, delta=True)
+    first = next(VERSIONS)
+    pusher.push(model.state_dict(), first)
+    full = ray_session.get(policy_tp2.update_weights.remote(first))
+    assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), _hf_logprobs(model)) < TOL
+
+    layer = model.model.layers[0]
+    with torch.no_grad():  # rows of q_proj (column-parallel), one row of down_proj (row-parallel)
+        layer.self_attn.q_proj.weight[:8].mul_(-3.0)
+        layer.mlp.down_proj.weight[5].add_(0.5)
+    expected = _hf_logprobs(model)
+    old = _vllm_logprobs(ray_session, policy_tp2)
+    assert _max_diff(old, expected) > 100 * TOL  # the edit alone moves the logprobs
+    second = next(VERSIONS)
+    stats = pusher.push(model.state_dict(), second)
+    assert stats["bytes_written"] < 0.1 * model_bytes
+    assert stats["bytes_reused"] > 0.9 * model_bytes
+    update = ray_session.get(policy_tp2.update_weights.remote(second))
+    assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), expected) < TOL
+    for read, skipped, read_before in zip(
+        update["bytes_read_per_worker"], update["bytes_skipped_per_worker"], full["bytes_read_per_worker"]
+    ):
+        assert read < 0.2 * read_before  # the changed slices only
+        assert skipped > 0.4 * model_bytes
+
+    restore = next(VERSIONS)  # a whole push of the original: read in full
+    WeightPusher(store, shm_root=shm_root).push(load_causal_lm(tiny_model_path).state_dict(), restore)
+    update = ray_session.get(policy_tp2.update_weights.remote(restore))
+    assert update["bytes_skipped_per_worker"] == [0, 0]
+    assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), before) < TOL

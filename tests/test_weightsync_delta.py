@@ -169,3 +169,32 @@ def test_a_failed_delta_push_keeps_the_base(store, shm_root, monkeypatch):
     assert stats["bytes_reused"] == _nbytes(sd) - 16 * 64 * 4
     _read_all(store, 3, sd, random.Random(4))
     assert math.isclose(stats["bytes_written"], 16 * 64 * 4, abs_tol=4096)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_push_deltas_of_their_own_shards(store, shm_root, tmp_path, tiny_model_path):
+    """Two FSDP2 ranks (gloo), each with its own pusher: a version edits rows that only rank 0
+    holds, the next rows that only rank 1 holds; each version reads back as the edited model."""
+    from tests.fsdp_push import edited_model, push_versions_from_ranks
+    from weightsync.push import without_aliases
+
+    q = "model.layers.0.self_attn.q_proj.weight"
+    down = "model.layers.1.mlp.down_proj.weight"
+    rows = dict(edited_model(tiny_model_path, 3, []).named_parameters())[down].shape[0]
+    pushes = [(1, []), (2, [(q, 0, 4, 0.5)]), (3, [(down, rows - 2, rows, -0.5)])]
+    stats = push_versions_from_ranks(2, tmp_path, tiny_model_path, 3, store.url, store.run, shm_root, pushes)
+
+    edits = []
+    for i, (version, more) in enumerate(pushes):
+        edits += more
+        truth = {
+            k: v.detach() for k, v in without_aliases(edited_model(tiny_model_path, 3, edits).state_dict()).items()
+        }
+        _read_all(store, version, truth, random.Random(version), boxes=1)
+        if i:
+            edited_rank = 0 if version == 2 else 1  # FSDP2 shards dim 0: the first rows on rank 0
+            assert stats[edited_rank][i]["bytes_written"] < 0.1 * stats[edited_rank][0]["bytes_written"]
+            assert stats[1 - edited_rank][i]["bytes_written"] == 0  # nothing of its own changed
+            assert stats[1 - edited_rank][i]["bytes_reused"] > 0.9 * stats[1 - edited_rank][0]["bytes_written"]
+    # Version 3: rank 0's chunks from versions 1 and 2, rank 1's from 1 and 3 (it wrote nothing in 2).
+    assert store.uses(3) == {"1:0", "2:0", "1:1", "3:0", "3:1"}
