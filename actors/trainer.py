@@ -62,6 +62,8 @@ class TrainerRank:
         keep_last: int = 2,
         data_plane: str = "shm",
         checksums: bool = True,
+        delta: bool = False,
+        delta_max_live: float = 2.0,
     ) -> None:
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
@@ -83,7 +85,14 @@ class TrainerRank:
         self.max_grad_norm = max_grad_norm
         self.loss_options = loss or {}  # keyword arguments of algos.grpo.grpo_loss
         self.pusher = WeightPusher(
-            WeightStore(redis_url, run), shm_root, sync_dtype, keep_last, data_plane=data_plane, checksums=checksums
+            WeightStore(redis_url, run),
+            shm_root,
+            sync_dtype,
+            keep_last,
+            data_plane=data_plane,
+            checksums=checksums,
+            delta=delta,
+            delta_max_live=delta_max_live,
         )
         self.pending_save = None
 

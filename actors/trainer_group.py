@@ -67,7 +67,14 @@ class TrainerGroup:
         return self._all("full_state_dict")[0]
 
     def push_weights(self, version: int) -> dict:
-        return self._all("push_weights", version)[0]
+        """Push from every rank: the slowest rank's time, the bytes of all ranks."""
+        stats = self._all("push_weights", version)
+        return {
+            "push_s": max(s["push_s"] for s in stats),
+            "bytes_written": sum(s["bytes_written"] for s in stats),
+            "bytes_reused": sum(s["bytes_reused"] for s in stats),
+            "dropped_versions": stats[0]["dropped_versions"],
+        }
 
     def export_hf(self, out_dir: str, dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> str:
         return self._all("export_hf", out_dir, dtype, max_shard_bytes)[0]

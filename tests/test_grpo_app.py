@@ -75,11 +75,19 @@ def test_wrong_type_names_the_key():
         ("weightsync.checksums=false", "weightsync.verify"),
         ("trainer.lr_schedule=step", "trainer.lr_schedule"),
         ("trainer.ranks=0", "trainer.ranks"),
+        ("weightsync.delta_max_live=0.5", "weightsync.delta_max_live"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(override, key):
     with pytest.raises(ConfigError, match=f"{key}=.*expected"):
         validate(_compose(override))
+
+
+def test_delta_sync_without_checksums_is_refused():
+    cfg = _compose("weightsync.checksums=false", "weightsync.verify=false", "weightsync.delta=true")
+    with pytest.raises(ConfigError, match="weightsync.delta=.*expected.*checksums"):
+        validate(cfg)
+    validate(_compose("weightsync.checksums=false", "weightsync.verify=false"))  # without delta: fine
 
 
 @pytest.mark.parametrize(
@@ -177,7 +185,7 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
 @pytest.mark.slow
 def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
     """KL as a reward penalty (k2), Dr. GRPO aggregation and advantages, clip-higher, truncated IS;
-    weights through the Redis data plane; async checkpoints."""
+    weights through the Redis data plane with delta sync; async checkpoints."""
     proc = _run_app(
         "steps=2",
         "eval_every=0",
@@ -193,6 +201,7 @@ def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
         "checkpoint.every=1",
         "checkpoint.async_save=true",
         "weightsync.data_plane=redis",
+        "weightsync.delta=true",
         f"output_dir={tmp_path}",
         "run_name=variants",
         f"weightsync.shm_root={tmp_path / 'shm'}",
@@ -202,7 +211,8 @@ def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
     assert [r["step"] for r in rows[:-1]] == [0, 1] and rows[-1]["final"] is True
     for r in rows[:-1]:
         assert r["kl"] == 0.0  # the KL went into the rewards, not the loss
-        assert r["entropy"] > 0 and r["logprob_diff_mean"] < 1e-3
+        assert r["entropy"] > 0 and r["logprob_diff_mean"] < 1e-3  # vLLM samples with the trainer's weights
+        assert r["push_bytes"] + r["push_bytes_reused"] > 0
     # Async saves were published (renamed from their .tmp folders) by the end of the run.
     assert sorted(p.name for p in (tmp_path / "variants" / "checkpoints").iterdir()) == ["step_1", "step_2"]
 

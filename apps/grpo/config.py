@@ -96,6 +96,8 @@ class WeightSyncConfig:
     keep_last: int = MISSING
     checksums: bool = MISSING
     verify: bool = MISSING
+    delta: bool = MISSING
+    delta_max_live: float = MISSING
 
 
 @dataclass
@@ -222,6 +224,12 @@ def validate(cfg) -> None:
             "weightsync.verify",
             "false when weightsync.checksums=false (there is nothing to verify)",
         ),
+        (
+            cfg.weightsync.checksums or not cfg.weightsync.delta,
+            "weightsync.delta",
+            "false when weightsync.checksums=false (delta sync finds changed chunks by their checksums)",
+        ),
+        (cfg.weightsync.delta_max_live >= 1, "weightsync.delta_max_live", "a number >= 1"),
         (cfg.checkpoint.every >= 0, "checkpoint.every", "an integer >= 0 (0: no checkpoints)"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "an integer >= 1"),
         (bool(str(cfg.run_name).strip()) and "/" not in str(cfg.run_name), "run_name", "a non-empty name without '/'"),

@@ -70,6 +70,8 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         keep_last=cfg.weightsync.keep_last,
         data_plane=cfg.weightsync.data_plane,
         checksums=cfg.weightsync.checksums,
+        delta=cfg.weightsync.delta,
+        delta_max_live=cfg.weightsync.delta_max_live,
     )
     reference = Reference.remote(model_path, cfg.trainer.torch_threads) if cfg.algo.kl_coef > 0 else None
     actors = Actors(
@@ -300,6 +302,8 @@ def run_grpo(
                 logprob_diff_max=train["logprob_diff_max"],
                 weight_sync_s=sync_s,
                 push_s=push["push_s"],
+                push_bytes=push["bytes_written"],
+                push_bytes_reused=push["bytes_reused"],
                 update_s=update["update_s"],
                 gen_tokens_per_s=gen_tokens / gen_s,
                 completion_len_mean=gen_tokens / len(flat),
