@@ -22,6 +22,13 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
   redis-py (SET every tensor, GET it back);
 - the cost of the tile checksums (push side, seconds per GiB) and of verifying them (update
   with and without ``verify``);
+- delta sync (``delta=True``), one trainer rank: RL-like steps on fp32 master weights where
+  the embeddings, LM head and first half of the decoder layers are frozen (as when training
+  only the upper layers) and every other weight moves by Adam-sized steps (``lr * sign``): the
+  bytes pushed and reused per step, push and update times (``D ...`` columns, through vLLM,
+  checked by prompt logprobs against a whole push of the same weights). And the same steps on
+  every weight with a bfloat16 policy copy (push only): the share of row blocks and of single
+  elements that stay equal (``bf16 D saved`` / ``bf16 same elems``);
 - the Redis data plane (``data_plane="redis"``): push + vLLM update through it, and, for the
   like-for-like comparison with baseline (b), push + verified read of every tensor into warm
   buffers without vLLM (``R plane``), alternating with (b), best of the repeats for both, and
@@ -53,6 +60,17 @@ SIZES = {
     "medium": (1024, 8, 3072, 16384, 16, 4, 64),
     "large": (1024, 20, 3072, 16384, 16, 4, 64),
 }
+DELTA_COLUMNS = (
+    "delta_push_s",
+    "delta_update_s",
+    "delta_bytes_written",
+    "delta_saved_fraction",
+    "delta_update_read_fraction",
+    "delta_update_skipped_bytes",
+    "delta_logprob_maxdiff_vs_whole",
+    "delta_bf16_saved_fraction",
+    "delta_bf16_same_elements",
+)
 RESULTS = Path(__file__).resolve().parent / "results" / "weightsync.json"
 
 
@@ -262,6 +280,99 @@ def _measure(llm, redis_url, store, push_fn, versions):
     return pushes, updates, per_worker, rss_growth, repacks
 
 
+DELTA_LR = 1e-6  # Adam-sized steps: lr * sign(gradient), a typical RL learning rate
+
+
+def _frozen(fqn: str, layers: int) -> bool:
+    """The delta scenario's frozen weights: embeddings, LM head, the lower half of the layers."""
+    if fqn.startswith("model.layers."):
+        return int(fqn.split(".")[2]) < layers // 2
+    return fqn in ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _adam_like_step(master: dict[str, torch.Tensor], names: list[str], g: torch.Generator) -> None:
+    for name in names:
+        t = master[name]
+        t.add_(torch.randint(0, 2, t.shape, generator=g, dtype=torch.int8).to(t.dtype).mul_(2).sub_(1), alpha=DELTA_LR)
+
+
+def delta_sync(llm, state_dict, redis_url, shm_root, run, dtype_name, layers, vocab, steps) -> dict:
+    """Delta pushes of RL-like steps with half the model frozen, through vLLM (see the docstring)."""
+    from weightsync.push import WeightPusher
+    from weightsync.store import WeightStore
+
+    store = WeightStore(redis_url, run)
+    pusher = WeightPusher(store, shm_root, dtype=dtype_name, keep_last=1, delta=True)
+    master = {k: v.clone() for k, v in state_dict.items()}
+    moving = [k for k in master if not _frozen(k, layers)]
+    g = torch.Generator().manual_seed(1)
+    model_bytes = sum(t.numel() * t.element_size() for t in master.values())
+    pushes, updates, written, reused, read, skipped = [], [], [], [], [], []
+    try:
+        for version in range(1, steps + 2):
+            if version > 1:
+                _adam_like_step(master, moving, g)
+            stats = pusher.push(master, version)
+            store.lease(version, "bench")
+            t = time.perf_counter()
+            upd = llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
+            if version > 1:  # the first is a whole push
+                updates.append(time.perf_counter() - t)
+                pushes.append(stats["push_s"])
+                written.append(stats["bytes_written"])
+                reused.append(stats["bytes_reused"])
+                read.append(max(s["bytes_read"] for s in upd))
+                skipped.append(max(s["bytes_skipped"] for s in upd))
+        lp_delta = prompt_logprobs(llm, vocab)
+        check = WeightStore(redis_url, f"{run}-whole")
+        whole = WeightPusher(check, shm_root, dtype=dtype_name, keep_last=1)
+        whole.push(master, 1)
+        check.lease(1, "bench")
+        llm.collective_rpc("update_weights_from_store", args=(redis_url, check.run, 1))
+        lp_whole = prompt_logprobs(llm, vocab)
+        whole.remove_all()
+        check.close()
+    finally:
+        pusher.remove_all()
+        store.close()
+    return {
+        "delta_push_s": statistics.median(pushes),
+        "delta_update_s": statistics.median(updates),
+        "delta_bytes_written": statistics.median(written),
+        "delta_saved_fraction": statistics.median(reused) / model_bytes,
+        "delta_update_read_fraction": statistics.median(read) / model_bytes,
+        "delta_update_skipped_bytes": statistics.median(skipped),
+        "delta_logprob_maxdiff_vs_whole": (lp_delta - lp_whole).abs().max().item(),
+    }
+
+
+def delta_bf16_dense(state_dict, redis_url, shm_root, run, steps) -> dict:
+    """Every weight moves by an Adam-sized step; a bfloat16 policy copy is pushed with delta sync.
+    How much stays equal: row blocks (what delta sync reuses) and single elements."""
+    from weightsync.push import WeightPusher
+    from weightsync.store import WeightStore
+
+    store = WeightStore(redis_url, run)
+    pusher = WeightPusher(store, shm_root, dtype="bfloat16", keep_last=1, delta=True)
+    master = {k: v.float().clone() for k, v in state_dict.items()}
+    g = torch.Generator().manual_seed(2)
+    saved, same = [], []
+    try:
+        pusher.push(master, 1)
+        for version in range(2, steps + 2):
+            before = {k: v.to(torch.bfloat16) for k, v in master.items()}
+            _adam_like_step(master, list(master), g)
+            total = sum(t.numel() for t in before.values())
+            same.append(sum((master[k].to(torch.bfloat16) == v).sum().item() for k, v in before.items()) / total)
+            del before
+            stats = pusher.push(master, version)
+            saved.append(stats["bytes_reused"] / (total * 2))
+    finally:
+        pusher.remove_all()
+        store.close()
+    return {"delta_bf16_saved_fraction": statistics.median(saved), "delta_bf16_same_elements": statistics.median(same)}
+
+
 def bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, root) -> list[dict]:
     from contextlib import ExitStack
 
@@ -376,6 +487,9 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
             llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
             redis_updates.append(time.perf_counter() - t)
         redis_push, redis_update = statistics.median(redis_pushes), statistics.median(redis_updates)
+        layers = SIZES[size][1]
+        delta = delta_sync(llm, state_dict, redis_url, shm_root, f"{run}-delta", dtype_name, layers, vocab, repeats)
+        delta.update(delta_bf16_dense(state_dict, redis_url, shm_root, f"{run}-delta-bf16", repeats))
         rows.append(
             {
                 **_timing_row(
@@ -387,6 +501,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
                 "redis_update_s": redis_update,
                 "redis_push_update_speedup_vs_redis_py": redis_s / (redis_push + redis_update),
                 **plane,
+                **delta,
             }
         )
         if 2 in measured:
@@ -452,6 +567,7 @@ def _rows_ranks2(
         "redis_plane_roundtrip_s",
         "redis_plane_speedup_vs_redis_py",
         "redis_plane_read_speedup_vs_get",
+        *DELTA_COLUMNS,
     )
     return [{**row, **dict.fromkeys(one_rank_only)}]
 
@@ -488,6 +604,13 @@ def print_table(rows: list[dict]) -> None:
         "R plane s",
         "R plane x redis",
         "R read x GET",
+        "D push s",
+        "D update s",
+        "D saved",
+        "D upd read",
+        "D lp diff",
+        "bf16 D saved",
+        "bf16 same elems",
     ]:
         table.add_column(col, justify="right")
 
@@ -522,6 +645,13 @@ def print_table(rows: list[dict]) -> None:
             f(r["redis_plane_roundtrip_s"], ".3f"),
             f(r["redis_plane_speedup_vs_redis_py"], ".1f"),
             f(r["redis_plane_read_speedup_vs_get"], ".1f"),
+            f(r["delta_push_s"], ".3f"),
+            f(r["delta_update_s"], ".3f"),
+            f(r["delta_saved_fraction"], ".2f"),
+            f(r["delta_update_read_fraction"], ".2f"),
+            f(r["delta_logprob_maxdiff_vs_whole"], ".1e"),
+            f(r["delta_bf16_saved_fraction"], ".3f"),
+            f(r["delta_bf16_same_elements"], ".3f"),
         )
     Console(width=300).print(table)
 
