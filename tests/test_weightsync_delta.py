@@ -125,7 +125,7 @@ def test_retired_versions_keep_the_storage_that_newer_ones_reuse(store, shm_root
     stats = pusher.push(sd, 3)
     assert stats["bytes_reused"] == 0 and stats["dropped_versions"] == [2]
     assert store.use_counts() == {"3:0": 1}
-    assert sorted(p.name for p in run_dir(shm_root, store.run).iterdir()) == ["v3"]
+    assert sorted(p.name for p in run_dir(shm_root, store.run).iterdir()) == ["spare", "v3"]
     _read_all(store, 3, sd, random.Random(3))
 
 
@@ -142,7 +142,7 @@ def test_delta_max_live_bounds_what_reuse_keeps_alive(store, shm_root):
         sd[BIG][version * 16 % 256 : version * 16 % 256 + 16] -= 1.0
         stats = pusher.push(sd, version)
         kinds.append("delta" if stats["bytes_reused"] else "whole")
-        live = sum(f.stat().st_size for f in run_dir(shm_root, store.run).rglob("*.safetensors"))
+        live = sum(f.stat().st_size for f in run_dir(shm_root, store.run).glob("v*/*.safetensors"))  # (+ 1 spare)
         assert live <= 1.5 * total + 4096 * len(store.use_counts())  # (headers)
         _read_all(store, version, sd, random.Random(version), boxes=1)
     assert "delta" in kinds and "whole" in kinds

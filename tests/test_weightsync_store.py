@@ -12,9 +12,10 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from tests.boxes import random_box
-from weightsync.push import WeightPusher, run_dir, version_dir
+from weightsync.push import WeightPusher, run_dir, spare_dir, version_dir
 from weightsync.reader import ChunkSource, read_box
 from weightsync.redis_server import LocalRedis, RedisUnavailable, check_redis
+from weightsync.shm_writer import shard_file_name
 from weightsync.store import Chunk, TensorEntry, VersionNotFound
 
 
@@ -131,7 +132,29 @@ def test_retention_keeps_last_k_and_leased_versions(store, tmp_path):
     store.lease(4, "policy-0")  # moving the lease releases version 1
     pusher.push(_state_dict(5), 5)
     assert store.versions() == [4, 5]
-    assert sorted(p.name for p in run_dir(tmp_path, store.run).iterdir()) == ["v4", "v5"]
+    assert sorted(p.name for p in run_dir(tmp_path, store.run).iterdir()) == ["spare", "v4", "v5"]
+    assert len(list(spare_dir(tmp_path, store.run).iterdir())) == 1  # one per trainer rank, to write over
+
+
+def test_freed_shard_files_are_written_over_by_later_pushes(store, shm_root):
+    """A retired version's file becomes the next version's (same inode, no fresh tmpfs pages),
+    cut to its new length; DCP's own reader and ours read it as the new version."""
+    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1)
+    big = {"a": torch.randn(64, 64), "b": torch.randn(256)}
+    small = {"a": torch.randn(8, 64)}
+    pusher.push(big, 1)
+    first = version_dir(shm_root, store.run, 1) / shard_file_name(1)
+    inode, big_size = first.stat().st_ino, first.stat().st_size
+    pusher.push(big, 2)  # version 1 is freed: its file becomes the spare
+    assert not first.exists()
+    pusher.push(small, 3)  # written into the spare (version 2's file is the next spare)
+    third = version_dir(shm_root, store.run, 3) / shard_file_name(1)
+    assert third.stat().st_ino == inode and third.stat().st_size < big_size
+    loaded = {"a": torch.zeros(8, 64)}
+    dcp.load(loaded, storage_reader=HuggingFaceStorageReader(str(third.parent)), no_dist=True)
+    assert torch.equal(loaded["a"], small["a"])
+    assert torch.equal(_read_all(store, 3)["a"], small["a"])
+    assert not version_dir(shm_root, store.run, 1).exists() and not version_dir(shm_root, store.run, 2).exists()
 
 
 def _read_all(store, version) -> dict[str, torch.Tensor]:

@@ -36,6 +36,11 @@ def run_dir(shm_root: str | Path, run: str) -> Path:
     return Path(shm_root) / f"ws-{run}"
 
 
+def spare_dir(shm_root: str | Path, run: str) -> Path:
+    """Shard files no version uses any more, kept to be written over by the next pushes."""
+    return run_dir(shm_root, run) / "spare"
+
+
 def version_dir(shm_root: str | Path, run: str, version: int) -> Path:
     return run_dir(shm_root, run) / f"v{version}"
 
@@ -126,6 +131,7 @@ class WeightPusher:
         self.delta_max_live = delta_max_live
         self._base: dict[str, BaseChunk] | None = None  # this rank's last committed chunks
         self._unit_bytes: dict[str, int] = {}  # bytes of this rank's units the base points into
+        self._world = 1  # trainer ranks (set by push)
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int) -> dict:
         """Write and commit ``version``; returns timing and byte counts."""
@@ -134,6 +140,7 @@ class WeightPusher:
         world = dist.get_world_size() if distributed else 1
         out_dir = version_dir(self.shm_root, self.store.run, version)
         unit = unit_name(version, rank)
+        self._world = world
         start = time.perf_counter()
         delta = {"base": self._base, "unit_bytes": self._unit_bytes, "max_live": self.delta_max_live}
         if not self.delta:
@@ -141,7 +148,8 @@ class WeightPusher:
         if self.data_plane == "redis":
             writer = RedisSafetensorsWriter(str(out_dir), self.store, version, self.checksums, unit=unit, **delta)
         else:
-            writer = ShmSafetensorsWriter(str(out_dir), self.checksums, unit=unit, **delta)
+            spare = spare_dir(self.shm_root, self.store.run)
+            writer = ShmSafetensorsWriter(str(out_dir), self.checksums, unit=unit, spare_dir=spare, **delta)
         error: BaseException | None = None
         try:
             cast = {k: v.detach().to(self.dtype) for k, v in without_aliases(state_dict).items()}
@@ -194,9 +202,17 @@ class WeightPusher:
         shard files no remaining version points into."""
         retired = self.store.retire(self.keep_last)
         run = self.store.run
+        spare = spare_dir(self.shm_root, run)
         for unit in retired.freed:
             version, rank = parse_unit(unit)
-            (version_dir(self.shm_root, run, version) / shard_file_name(rank + 1)).unlink(missing_ok=True)
+            path = version_dir(self.shm_root, run, version) / shard_file_name(rank + 1)
+            # One spare file per trainer rank is what the next push needs; the rest are removed.
+            kept = len(list(spare.iterdir())) if spare.exists() else 0
+            if kept < self._world and path.exists():
+                spare.mkdir(exist_ok=True)
+                path.rename(spare / f"{unit.replace(':', '-')}.safetensors")
+            else:
+                path.unlink(missing_ok=True)
         for version in {parse_unit(u)[0] for u in retired.freed} | set(retired.dropped):
             with contextlib.suppress(OSError):  # not empty: a later version still uses some of it
                 version_dir(self.shm_root, run, version).rmdir()

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -139,8 +141,10 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         base: dict[str, BaseChunk] | None = None,
         unit_bytes: dict[str, int] | None = None,
         max_live: float = 2.0,
+        spare_dir: Path | None = None,
     ) -> None:
         super().__init__(path=path, save_distributed=True)
+        self.spare_dir = spare_dir  # freed shard files to write into (see ``claim_spare``)
         if base is not None and not checksums:
             raise ValueError("delta sync compares checksums: it needs checksums=True")
         self.checksums = checksums
@@ -170,10 +174,14 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         }
 
     def _emit(self, file_name: str, parts: list[memoryview | bytes]) -> None:
-        """Store the shard, given as consecutive byte strings."""
-        with open(self.fs.concat_path(self.path, file_name), "wb") as f:
+        """Store the shard, given as consecutive byte strings, in a recycled file if one is spare."""
+        path = self.fs.concat_path(self.path, file_name)
+        recycled = claim_spare(self.spare_dir, path) if self.spare_dir is not None else False
+        with open(path, "r+b" if recycled else "wb") as f:
             for part in parts:
                 f.write(part)
+            if recycled:
+                f.truncate()  # the spare may have been longer
 
     def _plan_delta(self, fqn: str, offsets: list[int], tensor: torch.Tensor, checksum: dict):
         """(row ranges to write, pieces reused from the base) for one chunk."""
@@ -298,6 +306,28 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
             ]
         )
         return future
+
+
+def claim_spare(spare_dir: Path, path: str) -> bool:
+    """Move a spare shard file (the largest first) to ``path``; False if there is none.
+
+    Writing into a file whose pages tmpfs already holds is a plain copy; a fresh file makes the
+    kernel allocate and zero every page, and unlinking it later frees them again (measured here
+    per GiB: 0.2 s to overwrite vs 0.45 s to write fresh + 0.17 s to unlink). Spares are shard
+    files no committed version uses any more (``WeightPusher.retire`` moves them there); rename
+    is atomic, so two ranks never claim the same one.
+    """
+    try:
+        spares = sorted(os.scandir(spare_dir), key=lambda e: e.stat().st_size, reverse=True)
+    except FileNotFoundError:
+        return False
+    for entry in spares:
+        try:
+            os.rename(entry.path, path)
+            return True
+        except FileNotFoundError:  # another rank took it
+            continue
+    return False
 
 
 def _rows_bytes(tensor: torch.Tensor, runs: list[tuple[int, int]]) -> int:
