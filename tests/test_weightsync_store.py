@@ -2,7 +2,11 @@
 
 import json
 import random
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,6 +251,39 @@ def test_local_redis_listens_on_a_private_unix_socket():
         check_redis(server.url)
         path = server.socket
     assert not path.exists()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's prctl")
+def test_private_redis_dies_with_the_process_that_started_it():
+    """A launcher killed by SIGKILL (or the OOM killer) runs no cleanup: its redis-server must
+    still go, or every crashed run would leave one behind."""
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from weightsync.redis_server import LocalRedis; "
+            "s = LocalRedis(); print(s._proc.pid, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    server_pid = int(launcher.stdout.readline())
+    assert Path(f"/proc/{server_pid}").exists()
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while _alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(server_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait is missing
 
 
 def test_only_true_aliases_are_stored_once(store, tmp_path):

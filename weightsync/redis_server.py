@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +30,17 @@ def check_redis(url: str, timeout_s: float = 3.0) -> None:
             f"redis.url {url!r} is not reachable ({e}). Start a Redis server there, or leave "
             "redis.url unset (null) so the launcher starts a private one on a Unix socket."
         ) from e
+
+
+# Looked up here, not in the forked child, which must not take the loader's locks.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started it dies, even by
+    SIGKILL or OOM, so that a crashed launcher never leaves a private redis-server behind."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class LocalRedis:
@@ -66,6 +80,8 @@ class LocalRedis:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            # The death signal follows the thread that forks: start the server from the main thread.
+            preexec_fn=_die_with_parent if _prctl is not None else None,
         )
         deadline = time.monotonic() + start_timeout_s
         while True:
