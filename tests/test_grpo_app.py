@@ -143,6 +143,9 @@ def test_existing_output_folder_is_not_overwritten(tmp_path, tiny_model_path):
 def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
     """Three real steps (vLLM, Ray, Redis, DCP push, in-place update) with the KL term on."""
     shm = tmp_path / "shm"
+    leftover = shm / "ws-short" / "v9" / "model-00001-of-00001.safetensors"  # from a killed run
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(bytes(3 * 2**20))
     proc = _run_app(
         "steps=3",
         "eval_every=2",
@@ -168,6 +171,7 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
     assert final["final"] is True and final["policy_version"] == 3 and 0.0 <= final["eval_accuracy"] <= 1.0
     assert steps[0]["kl"] < 1e-6 < steps[2]["kl"]  # policy == reference at first, then they part
     assert "eval accuracy:" in proc.stdout
+    assert f"removed 3.0 MiB of shared-memory weights left in {shm / 'ws-short'}" in proc.stdout
 
     resolved = (out / "config.yaml").read_text()
     assert f"path: {tiny_model_path}" in resolved and "kl_coef: 0.05" in resolved

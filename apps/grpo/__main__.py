@@ -137,8 +137,17 @@ def run(cfg, console: Console) -> dict:
         # ray.init, which installs a handler of its own that aborts the process.)
         signal.signal(signal.SIGTERM, _interrupt)
         stack.callback(ray.shutdown)
+        shm_dir = run_dir(cfg.weightsync.shm_root, cfg.run_name)
+        if not cfg.redis.url and shm_dir.exists():
+            # A run of this name killed without cleanup (SIGKILL, OOM, power): with a private Redis
+            # no store can reference these files any more. With a shared Redis they may be live.
+            leftover = sum(f.stat().st_size for f in shm_dir.rglob("*") if f.is_file())
+            shutil.rmtree(shm_dir, ignore_errors=True)
+            console.print(
+                f"removed {leftover / 2**20:.1f} MiB of shared-memory weights left in {shm_dir} by an earlier run"
+            )
         # Removed from here, not by the trainer actor, so that it happens even if the trainer died.
-        stack.callback(shutil.rmtree, run_dir(cfg.weightsync.shm_root, cfg.run_name), ignore_errors=True)
+        stack.callback(shutil.rmtree, shm_dir, ignore_errors=True)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
         actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda)
         stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
