@@ -32,7 +32,9 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
 - the Redis data plane (``data_plane="redis"``): push + vLLM update through it, and, for the
   like-for-like comparison with baseline (b), push + verified read of every tensor into warm
   buffers without vLLM (``R plane``), alternating with (b), best of the repeats for both, and
-  the read side alone against redis-py's GETs (``R read x GET``).
+  the read side alone against redis-py's GETs (``R read x GET``); and the floor of that round
+  trip on one host: the model's bytes through a Unix socket twice (``R sock floor s``), since
+  every byte goes into Redis and out again through one;
 
 On CPU the models are float32 (bf16 compute is pathologically slow on these CPUs and sync cost
 depends only on bytes); ``--dtype bfloat16`` for GPU machines. Prints a table and writes
@@ -203,6 +205,39 @@ def checksum_seconds_per_gib(state_dict: dict[str, torch.Tensor]) -> float:
     return best / (nbytes / 2**30)
 
 
+def unix_socket_seconds(nbytes: int, repeats: int = 3) -> float:
+    """Best time to move ``nbytes`` through a Unix stream socket (default buffer sizes, as Redis
+    gets them) from tensor memory into a warm buffer: a floor for one direction of the Redis
+    plane on one host, whatever the client does."""
+    import socket
+    import threading
+
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    out, into = memoryview(src.numpy()), memoryview(dst.numpy())
+    step = 8 * 2**20
+    best = float("inf")
+    for _ in range(repeats):
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+        def receive(b=b) -> None:
+            got = 0
+            while got < nbytes:
+                got += b.recv_into(into[got:], min(nbytes - got, step))
+
+        t = time.perf_counter()
+        reader = threading.Thread(target=receive)
+        reader.start()
+        for i in range(0, nbytes, step):
+            a.sendall(out[i : i + step])
+        reader.join()
+        best = min(best, time.perf_counter() - t)
+        a.close()
+        b.close()
+    assert torch.equal(src[-step:], dst[-step:])
+    return best
+
+
 def redis_plane_vs_baseline(state_dict: dict[str, torch.Tensor], url: str, shm_root: str, repeats: int) -> dict:
     """The Redis data plane against baseline (b), like for like, alternating, best of ``repeats``.
 
@@ -243,12 +278,15 @@ def redis_plane_vs_baseline(state_dict: dict[str, torch.Tensor], url: str, shm_r
     }
     baseline = min(a + b for a, b in zip(sets, gets))
     ours = min(a + b for a, b in zip(pushes, reads))
+    floor = 2 * unix_socket_seconds(sum(v.numel() * v.element_size() for v in state_dict.values()), repeats)
     best.update(
         {
             "baseline_redis_py_best_s": baseline,
             "redis_plane_roundtrip_s": ours,
             "redis_plane_speedup_vs_redis_py": baseline / ours,
             "redis_plane_read_speedup_vs_get": best["baseline_redis_py_get_s"] / best["redis_plane_read_s"],
+            "redis_plane_socket_floor_s": floor,
+            "redis_plane_over_floor": ours / floor,
         }
     )
     return best
@@ -567,6 +605,8 @@ def _rows_ranks2(
         "redis_plane_roundtrip_s",
         "redis_plane_speedup_vs_redis_py",
         "redis_plane_read_speedup_vs_get",
+        "redis_plane_socket_floor_s",
+        "redis_plane_over_floor",
         *DELTA_COLUMNS,
     )
     return [{**row, **dict.fromkeys(one_rank_only)}]
@@ -604,6 +644,8 @@ def print_table(rows: list[dict]) -> None:
         "R plane s",
         "R plane x redis",
         "R read x GET",
+        "R sock floor s",
+        "R plane/floor",
         "D push s",
         "D update s",
         "D saved",
@@ -645,6 +687,8 @@ def print_table(rows: list[dict]) -> None:
             f(r["redis_plane_roundtrip_s"], ".3f"),
             f(r["redis_plane_speedup_vs_redis_py"], ".1f"),
             f(r["redis_plane_read_speedup_vs_get"], ".1f"),
+            f(r.get("redis_plane_socket_floor_s"), ".3f"),
+            f(r.get("redis_plane_over_floor"), ".1f"),
             f(r["delta_push_s"], ".3f"),
             f(r["delta_update_s"], ".3f"),
             f(r["delta_saved_fraction"], ".2f"),
