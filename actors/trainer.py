@@ -98,6 +98,9 @@ class TrainerRank:
 
     # -- process group ---------------------------------------------------------------------------
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def rendezvous_address(self) -> str:
         """On rank 0: a ``tcp://host:port`` init address the group can meet at."""
         host = ray.util.get_node_ip_address()

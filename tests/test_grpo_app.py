@@ -340,3 +340,12 @@ def test_two_rank_run_resumes_like_an_uninterrupted_run(tmp_path, tiny_model_pat
 
     a, b = weights(full / "hf"), weights(cut / "hf")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_shm_data_plane_refuses_trainer_ranks_off_the_policys_node():
+    from apps.grpo.loop import check_data_plane_placement
+
+    check_data_plane_placement("shm", "node-a", ["node-a", "node-a"])
+    check_data_plane_placement("redis", "node-a", ["node-b", "node-a"])  # Redis serves any node
+    with pytest.raises(ConfigError, match=r"trainer rank\(s\) \[1\] on another node.*data_plane=redis"):
+        check_data_plane_placement("shm", "node-a", ["node-a", "node-b"])

@@ -18,6 +18,7 @@ from actors.replay import ReplayBuffer
 from actors.reward import Reward
 from actors.trainer_group import TrainerGroup
 from algos.episodes import Episode, assign_advantages
+from apps.grpo.config import ConfigError
 from checkpointing import folders
 from tasks.arithmetic import ArithmeticTask, Problem
 
@@ -79,8 +80,27 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
     )
     # Surface a failed start (bad model, vLLM error) here rather than at the first call.
     ray.get([a.__ray_ready__.remote() for a in (policy, *trainer.ranks, reference) if a is not None])
+    check_data_plane_placement(
+        cfg.weightsync.data_plane,
+        ray.get(policy.node_id.remote()),
+        ray.get([r.node_id.remote() for r in trainer.ranks]),
+    )
     trainer.start()
     return actors
+
+
+def check_data_plane_placement(data_plane: str, policy_node: str, trainer_nodes: list[str]) -> None:
+    """The shared-memory data plane is files in one host's /dev/shm: every trainer rank must run
+    on the policy's node. Said at start, not as a missing shard file at the first update."""
+    if data_plane != "shm":
+        return
+    away = sorted({i for i, node in enumerate(trainer_nodes) if node != policy_node})
+    if away:
+        raise ConfigError(
+            f"weightsync.data_plane=shm needs the trainer ranks on the policy's node, but Ray placed "
+            f"trainer rank(s) {away} on another node ({trainer_nodes[away[0]][:12]}... vs the policy's "
+            f"{policy_node[:12]}...). Use weightsync.data_plane=redis across nodes."
+        )
 
 
 @dataclass
