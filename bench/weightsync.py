@@ -9,6 +9,9 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
   each calls ``WeightPusher.push(model.state_dict(), v)`` after a barrier; push time is the max
   over ranks of that call (``bench/fsdp_ranks.py``);
 - update: every vLLM worker copies its slices into its live parameters (the dedicated method);
+  push and update are medians over ``--repeats`` versions after two warm-up versions, as in a
+  run's steady state (the first push writes fresh shared memory, the first update attaches dense
+  buffers: ``1st push s`` / ``1st upd s``);
 - bytes each worker reads, and the memcpy floor (those bytes / measured copy bandwidth into a
   warm buffer);
 - worker RSS growth during the update;
@@ -73,6 +76,7 @@ DELTA_COLUMNS = (
     "delta_bf16_saved_fraction",
     "delta_bf16_same_elements",
 )
+WARMUP_VERSIONS = 2
 RESULTS = Path(__file__).resolve().parent / "results" / "weightsync.json"
 
 
@@ -467,7 +471,11 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         )
         llm.collective_rpc("connect_ray", args=(ray.get_runtime_context().gcs_address,))
         measured = {}
-        versions = range(1, repeats + 1)
+        # Two warm-up versions first: a run's first pushes write fresh shared memory and its
+        # first update attaches dense buffers; from the third on, a push writes over the files
+        # freed two versions back. Their times are the "1st" columns; the medians are steady state.
+        versions = range(1, repeats + WARMUP_VERSIONS + 1)
+        last = versions[-1]
         if 1 in ranks_list:
             push1 = functools.partial(_push_one_rank, pusher, state_dict)
             measured[1] = _measure(llm, redis_url, store, push1, versions)
@@ -510,7 +518,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
             )
             continue
         unverified = []  # the same, fresh version each time, without checking the checksums
-        for version in range(repeats + 1, 2 * repeats + 1):
+        for version in range(last + 1, last + repeats + 1):
             pusher.push(state_dict, version)
             store.lease(version, "bench")
             t = time.perf_counter()
@@ -518,7 +526,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
             unverified.append(time.perf_counter() - t)
         redis_pusher = WeightPusher(store, shm_root, dtype=dtype_name, keep_last=1, data_plane="redis")
         redis_pushes, redis_updates = [], []
-        for version in range(2 * repeats + 1, 3 * repeats + 1):
+        for version in range(last + repeats + 1, last + 2 * repeats + 1):
             redis_pushes.append(redis_pusher.push(state_dict, version)["push_s"])
             store.lease(version, "bench")
             t = time.perf_counter()
@@ -563,7 +571,8 @@ def _timing_row(
     """The columns every row has: our push and update from ``ranks`` trainer ranks, the memcpy
     floor, and the baselines; baseline (a) includes the FSDP gather onto rank 0 (``gather_s``)."""
     pushes, updates, per_worker, rss_growth, repacks = measured
-    push, update = statistics.median(pushes), statistics.median(updates)
+    push = statistics.median(pushes[WARMUP_VERSIONS:])
+    update = statistics.median(updates[WARMUP_VERSIONS:])
     floor = max(per_worker) / bandwidth
     base_a = {**base_a, "baseline_a_s": base_a["baseline_a_s"] + gather_s}
     return {
@@ -574,8 +583,9 @@ def _timing_row(
         "tp": tp,
         "push_s": push,
         "update_s": update,
+        "first_push_s": pushes[0],
         "first_update_s": updates[0],
-        "repack_s": statistics.median(repacks),
+        "repack_s": statistics.median(repacks[WARMUP_VERSIONS:]),
         "memcpy_floor_s": floor,
         "update_over_floor": update / floor,
         "bytes_read_per_worker": per_worker,
@@ -624,6 +634,8 @@ def print_table(rows: list[dict]) -> None:
         "tp",
         "push s",
         "update s",
+        "1st push s",
+        "1st upd s",
         "repack s",
         "floor s",
         "upd/floor",
@@ -667,6 +679,8 @@ def print_table(rows: list[dict]) -> None:
             str(r["tp"]),
             f"{r['push_s']:.3f}",
             f"{r['update_s']:.3f}",
+            f"{r['first_push_s']:.3f}",
+            f"{r['first_update_s']:.3f}",
             f"{r['repack_s']:.3f}",
             f"{r['memcpy_floor_s']:.3f}",
             f"{r['update_over_floor']:.1f}",
