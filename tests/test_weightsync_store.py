@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
@@ -276,6 +277,34 @@ def test_private_redis_dies_with_the_process_that_started_it():
     while _alive(server_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(server_pid)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the server's page faults from /proc")
+def test_private_redis_keeps_the_pages_of_freed_values():
+    """A push to the Redis data plane stores a model's bytes as new values after a retire freed
+    as many: the server must reuse the freed pages, not fault every page in again."""
+    from weightsync.redis_data import RawRedis
+
+    piece = 8 * 2**20
+    data = memoryview(torch.randn(8 * piece // 4).numpy()).cast("B")
+    with LocalRedis() as server:
+        client = RawRedis(server.url)
+        faults = []
+        for round_ in range(2):
+            keys = [f"v{round_}:{i}" for i in range(8)]
+            before = _minor_faults(server._proc.pid)
+            client.set_pieces(keys, [[data[i * piece : (i + 1) * piece]] for i in range(8)])
+            faults.append(_minor_faults(server._proc.pid) - before)
+            redis.Redis.from_url(server.url).delete(*keys)  # the retire of that version
+            time.sleep(1.0)
+        client.close()
+    pages = len(data) // 4096
+    assert faults[0] > pages // 2  # the first store does fault its pages in (the count is real)
+    assert faults[1] < pages // 10, faults
+
+
+def _minor_faults(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
 def _alive(pid: int) -> bool:
