@@ -176,6 +176,17 @@ def baseline_a(llm, state_dict: dict[str, torch.Tensor]) -> dict:
     }
 
 
+def purge_redis(url: str) -> None:
+    """Hand the pages of deleted values back to the kernel. The private Redis keeps them for
+    the next push (see ``LocalRedis``), which a run wants; the bench moves on to other sizes
+    and tenants of this 24 GiB machine (it was OOM-killed holding 4 GiB of them)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.execute_command("MEMORY PURGE")
+    client.close()
+
+
 def baseline_redis(state_dict: dict[str, torch.Tensor], url: str) -> tuple[float, float]:
     """Baseline (b): SET every tensor with redis-py, then GET it back; (set seconds, get seconds)."""
     import redis
@@ -449,6 +460,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
     redis_s = sum(baseline_redis(state_dict, redis_url))
     checksum_s_per_gib = checksum_seconds_per_gib(state_dict)
     plane = redis_plane_vs_baseline(state_dict, redis_url, shm_root, repeats)
+    purge_redis(redis_url)
     rows = []
     for tp in tp_list:
         run = f"bench-{size}-tp{tp}"
@@ -482,6 +494,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         if ranks2 is not None:
             push2 = functools.partial(_push_two_ranks, ranks2, redis_url, run2, shm_root, dtype_name)
             measured[2] = _measure(llm, redis_url, store2, push2, versions)
+            WeightPusher(store2, shm_root).remove_all()  # 3 versions' shards: not needed any more
         # Baseline (a), checked: doubled weights through it, then the same through our update.
         # The first measure above ran our update at least once, so the comparison is warm too.
         before = prompt_logprobs(llm, vocab)
@@ -558,6 +571,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         del llm
         pusher.remove_all()
         redis_pusher.remove_all()
+        purge_redis(redis_url)
         WeightPusher(store2, shm_root).remove_all()
         store.close()
         store2.close()
