@@ -28,8 +28,8 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
 - delta sync (``delta=True``), one trainer rank: RL-like steps on fp32 master weights where
   the embeddings, LM head and first half of the decoder layers are frozen (as when training
   only the upper layers) and every other weight moves by Adam-sized steps (``lr * sign``): the
-  bytes pushed and reused per step, push and update times (``D ...`` columns, through vLLM,
-  checked by prompt logprobs against a whole push of the same weights). And the same steps on
+  bytes pushed and reused per step, push and update times after three warm-up deltas (``D ...``
+  columns, through vLLM, checked by prompt logprobs against a whole push of the same weights). And the same steps on
   every weight with a bfloat16 policy copy (push only): the share of row blocks and of single
   elements that stay equal (``bf16 D saved`` / ``bf16 same elems``);
 - the Redis data plane (``data_plane="redis"``): push + vLLM update through it, and, for the
@@ -77,6 +77,7 @@ DELTA_COLUMNS = (
     "delta_bf16_same_elements",
 )
 WARMUP_VERSIONS = 2
+DELTA_WARMUP_VERSIONS = 3
 RESULTS = Path(__file__).resolve().parent / "results" / "weightsync.json"
 
 
@@ -362,14 +363,17 @@ def delta_sync(llm, state_dict, redis_url, shm_root, run, dtype_name, layers, vo
     model_bytes = sum(t.numel() * t.element_size() for t in master.values())
     pushes, updates, written, reused, read, skipped = [], [], [], [], [], []
     try:
-        for version in range(1, steps + 2):
+        # Version 1 is whole; the next DELTA_WARMUP_VERSIONS deltas write fresh files (the spare
+        # of a delta shard appears once a version two back is retired); measured after that.
+        first_measured = 2 + DELTA_WARMUP_VERSIONS
+        for version in range(1, first_measured + steps):
             if version > 1:
                 _adam_like_step(master, moving, g)
             stats = pusher.push(master, version)
             store.lease(version, "bench")
             t = time.perf_counter()
             upd = llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
-            if version > 1:  # the first is a whole push
+            if version >= first_measured:
                 updates.append(time.perf_counter() - t)
                 pushes.append(stats["push_s"])
                 written.append(stats["bytes_written"])
