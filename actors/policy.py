@@ -12,6 +12,11 @@ from weightsync.store import WeightStore
 EXTENSION = "weightsync.vllm_extension.WeightSyncExtension"
 
 
+class PolicyWeightsInvalid(RuntimeError):
+    """The policy's last weight update failed midway: its workers may hold a mix of two versions,
+    so it refuses to sample or score until an update succeeds."""
+
+
 @dataclass
 class Sample:
     token_ids: list[int]
@@ -56,6 +61,11 @@ class Policy:
         self.run = run
         self.replica = replica
         self.version = 0
+        self._invalid: str | None = None  # why the weights cannot be used, after a failed update
+
+    def _check_weights(self) -> None:
+        if self._invalid is not None:
+            raise PolicyWeightsInvalid(self._invalid)
 
     def generate(
         self, prompts: list[str], n: int, temperature: float = 1.0, max_tokens: int = 8, seed: int | None = None
@@ -65,6 +75,7 @@ class Policy:
         Log-probabilities are those of the sampling distribution: with ``temperature=1`` and no
         top-k/top-p they are the model's own, which the trainer recomputes.
         """
+        self._check_weights()
         from vllm import SamplingParams
 
         # vLLM seeds a prompt's n samples seed, seed+1, ...: give each prompt its own range so that
@@ -91,6 +102,7 @@ class Policy:
 
     def greedy(self, prompts: list[str], max_tokens: int = 8) -> list[tuple[str, bool]]:
         """Greedy completion text of each prompt, and whether it ended on EOS."""
+        self._check_weights()
         from vllm import SamplingParams
 
         outputs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
@@ -98,6 +110,7 @@ class Policy:
 
     def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float | None]]:
         """Log-probability of each given token under the live weights (None for the first)."""
+        self._check_weights()
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
@@ -111,15 +124,28 @@ class Policy:
         """Load ``version`` from the store into every worker, in place.
 
         The replica leases the version before reading it, so the trainer cannot retire it midway.
+        If the update fails once workers have started copying (a checksum mismatch, a lost
+        shard), some slices hold the new version and some the old: the policy then raises
+        ``PolicyWeightsInvalid`` on every sampling call until an update succeeds.
         """
         store = WeightStore(self.redis_url, self.run)
         try:
             store.lease(version, self.replica)
         finally:
             store.close()
-        stats = self.llm.collective_rpc(
-            "update_weights_from_store", args=(self.redis_url, self.run, version), kwargs={"verify": self.verify}
-        )
+        try:
+            stats = self.llm.collective_rpc(
+                "update_weights_from_store", args=(self.redis_url, self.run, version), kwargs={"verify": self.verify}
+            )
+        except BaseException as err:
+            first_line = str(err).strip().splitlines()[-1][:500] if str(err).strip() else ""
+            self._invalid = (
+                f"policy {self.replica!r}: the update from weight version {self.version} to {version} failed "
+                f"({type(err).__name__}: {first_line}); its workers may hold a mix of both versions, so it "
+                "will not sample until an update succeeds"
+            )
+            raise
+        self._invalid = None
         self.llm.reset_prefix_cache()
         self.version = version
         return {

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from actors.modeling import load_causal_lm, sequence_token_logprobs
+from actors.policy import PolicyWeightsInvalid
 from tests.fsdp_push import perturbed_model, push_from_ranks
 from weightsync.push import WeightPusher, run_dir
 from weightsync.reader import ChunkSource
@@ -154,6 +155,9 @@ def test_a_corrupt_shard_byte_fails_the_update_naming_the_tensor(policy_tp2, ray
             Exception, match=r"checksum mismatch in tensor 'model\.layers\.1\.self_attn\.o_proj\.weight'"
         ):
             ray_session.get(policy_tp2.update_weights.remote(version))
+        # Some slices may now hold the corrupt version's values: the policy refuses to score.
+        with pytest.raises(PolicyWeightsInvalid, match=rf"update from weight version \d+ to {version} failed"):
+            _vllm_logprobs(ray_session, policy_tp2)
 
         restore = next(VERSIONS)  # a good version repairs the engine
         WeightPusher(store, shm_root=shm_root).push(load_causal_lm(tiny_model_path).state_dict(), restore)
