@@ -141,10 +141,12 @@ class Policy:
                 "update_weights_from_store", args=(self.redis_url, self.run, version), kwargs={"verify": self.verify}
             )
         except BaseException as err:
-            first_line = str(err).strip().splitlines()[-1][:500] if str(err).strip() else ""
+            # The cause is the last line of the worker's traceback, which vLLM puts in the message.
+            text = str(err).strip()
+            cause = text.splitlines()[-1][:500] if text else ""
             self._invalid = (
                 f"policy {self.replica!r}: the update from weight version {self.version} to {version} failed "
-                f"({type(err).__name__}: {first_line}); its workers may hold a mix of both versions, so it "
+                f"({type(err).__name__}: {cause}); its workers may hold a mix of both versions, so it "
                 "will not sample until an update succeeds"
             )
             raise

@@ -173,13 +173,18 @@ def baseline_a(llm, state_dict: dict[str, torch.Tensor]) -> dict:
     stats = llm.collective_rpc("load_weights_from_ray", args=(ray.cloudpickle.dumps(ref),))
     total = time.perf_counter() - t
     del ref
-    return {
-        "baseline_a_s": total,
-        "baseline_a_put_s": put_s,
-        "baseline_a_get_s": max(s["get_s"] for s in stats),
-        "baseline_a_load_s": max(s["load_s"] for s in stats),
-        "baseline_a_repack_s": max(s["repack_s"] for s in stats),
-    }
+    return {"baseline_a_s": total, "baseline_a_put_s": put_s, **_slowest_worker("baseline_a", stats)}
+
+
+def _slowest_worker(name: str, stats: list[dict]) -> dict:
+    """A baseline's parts in the TP workers (get, load, repack): the slowest worker's of each."""
+    return {f"{name}_{part}_s": max(s[f"{part}_s"] for s in stats) for part in ("get", "load", "repack")}
+
+
+def _redis_set_all(client, prefix: str, state_dict: dict[str, torch.Tensor]) -> None:
+    """redis-py ``SET`` of every tensor's raw bytes at ``prefix + name``, as a user would write it."""
+    for name, tensor in state_dict.items():
+        client.set(prefix + name, tensor.contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def baseline_b(llm, state_dict: dict[str, torch.Tensor], url: str) -> dict:
@@ -190,8 +195,7 @@ def baseline_b(llm, state_dict: dict[str, torch.Tensor], url: str) -> dict:
     prefix = f"bench-b:{uuid.uuid4().hex[:8]}:"
     client = redis.Redis.from_url(url)
     t = time.perf_counter()
-    for name, tensor in state_dict.items():
-        client.set(prefix + name, tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    _redis_set_all(client, prefix, state_dict)
     set_s = time.perf_counter() - t
     specs = [(name, str(v.dtype).removeprefix("torch."), list(v.shape)) for name, v in state_dict.items()]
     stats = llm.collective_rpc("load_weights_from_redis", args=(url, prefix, specs))
@@ -199,13 +203,7 @@ def baseline_b(llm, state_dict: dict[str, torch.Tensor], url: str) -> dict:
     client.delete(*[prefix + name for name in state_dict])
     client.close()
     purge_redis(url)
-    return {
-        "baseline_b_s": total,
-        "baseline_b_set_s": set_s,
-        "baseline_b_get_s": max(s["get_s"] for s in stats),
-        "baseline_b_load_s": max(s["load_s"] for s in stats),
-        "baseline_b_repack_s": max(s["repack_s"] for s in stats),
-    }
+    return {"baseline_b_s": total, "baseline_b_set_s": set_s, **_slowest_worker("baseline_b", stats)}
 
 
 def purge_redis(url: str) -> None:
@@ -220,13 +218,13 @@ def purge_redis(url: str) -> None:
 
 
 def baseline_redis(state_dict: dict[str, torch.Tensor], url: str) -> tuple[float, float]:
-    """Baseline (b): SET every tensor with redis-py, then GET it back; (set seconds, get seconds)."""
+    """Baseline (b)'s transport alone: SET every tensor with redis-py, then GET it back in this
+    process; (set seconds, get seconds)."""
     import redis
 
     client = redis.Redis.from_url(url)
     t = time.perf_counter()
-    for name, tensor in state_dict.items():
-        client.set(f"bench:{name}", tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    _redis_set_all(client, "bench:", state_dict)
     set_s = time.perf_counter() - t
     t = time.perf_counter()
     for name, tensor in state_dict.items():
@@ -621,8 +619,6 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         llm.llm_engine.engine_core.shutdown()  # its processes and shared-memory queues
         del llm
         pusher.remove_all()
-        redis_pusher.remove_all()
-        purge_redis(redis_url)
         WeightPusher(store2, shm_root).remove_all()
         store.close()
         store2.close()

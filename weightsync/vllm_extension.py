@@ -59,7 +59,6 @@ class WeightSyncExtension:
 
         if not hasattr(self, "_dense"):
             self._dense = {}
-            self._dense_allocated = 0  # bytes of dense buffers allocated so far
         model = self.model_runner.model
         modules = dict(model.named_modules())
         sharers: dict[int, list[torch.nn.Module]] = {}
@@ -74,7 +73,6 @@ class WeightSyncExtension:
             if isinstance(layer, LinearBase) and leaf == "weight" and (param.numel() == 0 or name in self._dense):
                 if name not in self._dense:
                     self._dense[name] = torch.empty(_dense_shape(layer), dtype=layer.params_dtype)
-                    self._dense_allocated += self._dense[name].nbytes
                 param = self._dense[name]
                 if attach:
                     layer.weight = torch.nn.Parameter(param, requires_grad=False)
@@ -86,12 +84,16 @@ class WeightSyncExtension:
         the first update costs what later ones do. Returns their bytes (0 where nothing is
         repacked, as on GPU). The buffers' contents do not matter: the first update writes
         every slice, since it has no loaded version to skip against."""
-        before = getattr(self, "_dense_allocated", 0)
+        before = self._dense_bytes()
         self._live_parameters(attach=False)
         with torch.no_grad():
             for buffer in self._dense.values():
                 buffer.zero_()
-        return self._dense_allocated - before
+        return self._dense_bytes() - before
+
+    def _dense_bytes(self) -> int:
+        """Bytes of the dense buffers this worker has allocated so far."""
+        return sum(buffer.nbytes for buffer in getattr(self, "_dense", {}).values())
 
     def update_weights_from_store(self, redis_url: str, run: str, version: int, verify: bool = True) -> dict:
         """Copy ``version``'s weights into this worker's parameters, slice by slice.
@@ -110,7 +112,7 @@ class WeightSyncExtension:
         previous = loaded[1] if loaded is not None and loaded[0] == run else {}
         self._ws_loaded = None  # until this update has succeeded
         files = ChunkSource(redis_url, version, verify)
-        allocated_before = getattr(self, "_dense_allocated", 0)
+        allocated_before = self._dense_bytes()
         nbytes = skipped = 0
         repack = []
         on_cpu = _is_cpu()
@@ -146,7 +148,7 @@ class WeightSyncExtension:
             "bytes_read": nbytes,
             "bytes_skipped": skipped,
             "tiles_verified": files.tiles_verified,
-            "dense_bytes_allocated": self._dense_allocated - allocated_before,
+            "dense_bytes_allocated": self._dense_bytes() - allocated_before,
             "update_s": end - start,
             "copy_s": copied - start,
             "repack_s": end - copied,
