@@ -128,6 +128,8 @@ class TrainerRank:
         fully_shard(self.model, mp_policy=policy)
         self.model.train()
         h = self.hparams
+        # The shard files the first weight pushes write over, allocated while the policy starts.
+        self.pusher.reserve(self._model_state_dict(offload=False))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=h["lr"], weight_decay=h["weight_decay"])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -182,10 +184,12 @@ class TrainerRank:
 
     # -- weights out -----------------------------------------------------------------------------
 
-    def _model_state_dict(self) -> dict[str, torch.Tensor]:
+    def _model_state_dict(self, offload: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's shards of the weights (copied to the host on GPU unless ``offload=False``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=self.device is not None))
+        cpu_offload = offload and self.device is not None
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=cpu_offload))
 
     def push_weights(self, version: int) -> dict:
         """Write this rank's shard of the current weights as ``version``; rank 0 commits it."""

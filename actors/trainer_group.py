@@ -73,6 +73,7 @@ class TrainerGroup:
             "push_s": max(s["push_s"] for s in stats),
             "bytes_written": sum(s["bytes_written"] for s in stats),
             "bytes_reused": sum(s["bytes_reused"] for s in stats),
+            "ranks_wrote_over_spare": sum(s["wrote_over_spare"] for s in stats),
             "dropped_versions": stats[0]["dropped_versions"],
         }
 

@@ -4,8 +4,11 @@ Each rank loads the benchmark's synthetic model, shards it with ``fully_shard`` 
 layer, then the root), as ``tests/fsdp_push.py`` does, and then serves commands from the driver
 over a pipe, so that the ranks are started once per model size and reused across vLLM engines:
 
-- ``push``: barrier, then ``WeightPusher(...).push(model.state_dict(), version)`` on every rank
-  (rank 0 commits); returns each rank's wall time of the push call;
+- ``reserve``: the rank's pusher for a run reserves its first pushes' shard files in a
+  background thread (as ``TrainerRank`` does at start) and answers at once;
+- ``push``: barrier, then ``pusher.push(model.state_dict(), version)`` on every rank (rank 0
+  commits; one pusher per run and data plane, kept across pushes); returns each rank's wall time
+  of the push call (which includes waiting for a reservation still running);
 - ``gather``: barrier, then the full state dict gathered onto rank 0 (CPU), as baseline (a)
   of the issue starts; returns each rank's wall time.
 """
@@ -35,20 +38,30 @@ def _rank_main(rank: int, world: int, init_file: str, model_path: str, conn) -> 
             fully_shard(layer)
         fully_shard(model)
         conn.send(("ready", None))
+        pushers = {}  # (redis_url, run, shm_root, dtype, data_plane) -> WeightPusher
+
+        def pusher_for(redis_url, run, shm_root, dtype, data_plane):
+            key = (redis_url, run, shm_root, dtype, data_plane)
+            if key not in pushers:
+                store = WeightStore(redis_url, run)
+                pushers[key] = WeightPusher(store, shm_root, dtype=dtype, keep_last=1, data_plane=data_plane)
+            return pushers[key]
+
         while True:
             cmd, args = conn.recv()
             if cmd == "stop":
                 break
             try:
-                if cmd == "push":
+                if cmd == "reserve":
+                    pusher_for(*args).reserve(model.state_dict(), background=True)
+                    conn.send(("ok", None))
+                elif cmd == "push":
                     redis_url, run, shm_root, dtype, version, data_plane = args
-                    store = WeightStore(redis_url, run)
-                    pusher = WeightPusher(store, shm_root, dtype=dtype, keep_last=1, data_plane=data_plane)
+                    pusher = pusher_for(redis_url, run, shm_root, dtype, data_plane)
                     dist.barrier()
                     t = time.perf_counter()
                     pusher.push(model.state_dict(), version)
                     elapsed = time.perf_counter() - t
-                    store.close()
                     conn.send(("ok", elapsed))
                 elif cmd == "gather":
                     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -104,6 +117,13 @@ class FsdpRanks:
         for conn in self.conns:
             conn.send(("push", (redis_url, run, str(shm_root), dtype, version, data_plane)))
         return self._collect()
+
+    def reserve(self, redis_url: str, run: str, shm_root: str, dtype: str, data_plane: str = "shm") -> None:
+        """Every rank starts reserving the shard files of its first pushes of ``run`` (in the
+        background: the next ``push`` waits for it)."""
+        for conn in self.conns:
+            conn.send(("reserve", (redis_url, run, str(shm_root), dtype, data_plane)))
+        self._collect()
 
     def gather(self) -> list[tuple[float, int]]:
         """Full state dict onto rank 0 (CPU); each rank's (seconds, bytes it ended up holding)."""

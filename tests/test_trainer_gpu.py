@@ -14,10 +14,10 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
-def test_two_nccl_ranks_train_like_one(ray_session, redis_url, tiny_model_path, param_dtype):
+def test_two_nccl_ranks_train_like_one(ray_session, redis_url, tiny_model_path, shm_root, param_dtype):
     from actors.trainer_group import TrainerGroup
 
-    options = {**OPTIONS, "param_dtype": param_dtype, "reduce_dtype": "float32"}
+    options = {**OPTIONS, "param_dtype": param_dtype, "reduce_dtype": "float32", "shm_root": str(shm_root)}
     one = TrainerGroup(1, tiny_model_path, redis_url, "gpu-one", use_cuda=True, **options).start()
     two = TrainerGroup(2, tiny_model_path, redis_url, "gpu-two", use_cuda=True, micro_batch_size=2, **options).start()
     try:
@@ -30,7 +30,9 @@ def test_two_nccl_ranks_train_like_one(ray_session, redis_url, tiny_model_path, 
         w1, w2 = one.full_state_dict(), two.full_state_dict()
         _assert_same_weights(w1, w2, atol=5e-5 if param_dtype == "float32" else 5e-3)
         assert max((w1[k] - start[k]).abs().max().item() for k in w1) > 1e-3
-        assert two.push_weights(1)["bytes_written"] > 0  # NCCL ranks push from CPU copies of their shards
+        push = two.push_weights(1)
+        assert push["bytes_written"] > 0  # NCCL ranks push from CPU copies of their shards
+        assert push["ranks_wrote_over_spare"] == 2  # into the files reserved at start
     finally:
         for group in (one, two):
             for actor in group.ranks:

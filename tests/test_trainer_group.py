@@ -11,6 +11,7 @@ import pytest
 from actors.trainer_group import TrainerGroup
 from algos.episodes import Episode
 from checkpointing.folders import CheckpointError
+from weightsync.store import WeightStore
 
 OPTIONS = {"lr": 3e-3, "max_grad_norm": 1.0, "loss": {"clip_eps": 0.2, "kl_coef": 0.0}}
 
@@ -27,11 +28,12 @@ def episodes(n: int, seed: int) -> list[Episode]:
 
 
 @pytest.fixture
-def make_group(ray_session, redis_url, tiny_model_path):
+def make_group(ray_session, redis_url, tiny_model_path, shm_root):
     groups = []
 
     def make(ranks: int, run: str, model_path: str | None = None, **kwargs) -> TrainerGroup:
-        group = TrainerGroup(ranks, model_path or tiny_model_path, redis_url, run, **{**OPTIONS, **kwargs})
+        options = {**OPTIONS, "shm_root": str(shm_root), **kwargs}  # reserved shard files go there
+        group = TrainerGroup(ranks, model_path or tiny_model_path, redis_url, run, **options)
         groups.append(group)
         return group.start()
 
@@ -48,7 +50,7 @@ def _assert_same_weights(a: dict, b: dict, atol: float = 1e-5) -> None:
         assert diff.max().item() <= atol, (key, diff.max().item(), (diff > atol).sum().item(), diff.numel())
 
 
-def test_two_ranks_train_like_one(make_group, tiny_model_path):
+def test_two_ranks_train_like_one(make_group, tiny_model_path, redis_url):
     one = make_group(1, "tg-one")
     two = make_group(2, "tg-two", micro_batch_size=2)  # 2 ranks x 3 uneven micro-batches of 5..6 episodes
     start = one.full_state_dict()
@@ -63,6 +65,14 @@ def test_two_ranks_train_like_one(make_group, tiny_model_path):
     _assert_same_weights(w1, w2, atol=5e-5)
     moved = max((w1[k] - start[k]).abs().max().item() for k in w1)
     assert moved > 1e-3  # the steps really trained (so equal weights mean something)
+    # Each rank reserved shard files at start (keep_last=2: two kept versions, the one a policy
+    # still leases, the one being written): the first pushes write over those, later ones over
+    # retired versions' files; none into fresh shared memory.
+    store = WeightStore(redis_url, "tg-two")
+    for version in range(1, 7):
+        assert two.push_weights(version)["ranks_wrote_over_spare"] == 2, version
+        store.lease(version, "policy-0")
+    store.close()
 
 
 def test_checkpoint_resume_is_equivalent(make_group, tmp_path):

@@ -93,6 +93,7 @@ def test_nccl_ranks_sync_into_vllm_tp2(delta, llm_tp2, ray_session, redis_url, t
         assert _max_diff(_vllm_logprobs(llm_tp2), expected) < BF16_TOL
         model_bytes = sum(math.prod(e.shape) * 2 for e in store.index(1).values())  # bf16, tied stored once
         assert push["bytes_written"] >= model_bytes
+        assert push["ranks_wrote_over_spare"] == 2  # into the files reserved at start
         assert max(s["bytes_read"] for s in stats) <= 0.6 * model_bytes  # each worker reads its share
 
         if delta:  # nothing changed since: nothing written, nothing read, same logprobs

@@ -20,7 +20,7 @@ from tests.boxes import random_box
 from weightsync.push import WeightPusher, run_dir, spare_dir, version_dir
 from weightsync.reader import ChunkSource, read_box
 from weightsync.redis_server import LocalRedis, RedisUnavailable, check_redis
-from weightsync.shm_writer import shard_file_name
+from weightsync.shm_writer import claim_spare, shard_file_name
 from weightsync.store import Chunk, TensorEntry, VersionNotFound
 
 
@@ -160,6 +160,64 @@ def test_freed_shard_files_are_written_over_by_later_pushes(store, shm_root):
     assert torch.equal(loaded["a"], small["a"])
     assert torch.equal(_read_all(store, 3)["a"], small["a"])
     assert not version_dir(shm_root, store.run, 1).exists() and not version_dir(shm_root, store.run, 2).exists()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_the_first_pushes_write_over_files_reserved_at_start(store, shm_root, background):
+    """keep_last=1 with a policy that leases each version after it is pushed: three files live
+    at once before retired ones come back, so three are reserved; every push writes over one."""
+    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1)
+    sd = _state_dict()
+    pusher.reserve(sd, background=background)
+    pusher._wait_reserved()
+    spares = sorted(spare_dir(shm_root, store.run).iterdir())
+    assert len(spares) == pusher.reserve_count() == 3
+    inodes = {f.stat().st_ino for f in spares}
+    assert not list(run_dir(shm_root, store.run).glob("reserving-*"))  # moved in whole
+    for version in range(1, 6):
+        stats = pusher.push(_state_dict(version), version)
+        assert stats["wrote_over_spare"], version
+        shard = version_dir(shm_root, store.run, version) / shard_file_name(1)
+        if version <= 3:
+            assert shard.stat().st_ino in inodes
+        assert torch.equal(_read_all(store, version)["model.norm.weight"], _state_dict(version)["model.norm.weight"])
+        store.lease(version, "policy-0")
+    assert store.versions() == [4, 5]
+    # Never more files than the reservation: 2 live versions + 1 spare.
+    assert len(list(run_dir(shm_root, store.run).rglob("*.safetensors"))) == 3
+
+
+def test_a_push_waits_for_a_background_reservation_and_delta_reserves_one(store, shm_root):
+    pusher = WeightPusher(store, shm_root=shm_root, keep_last=3, delta=True)
+    assert pusher.reserve_count() == 1  # later delta shards are small
+    pusher.reserve(_state_dict(), background=True)
+    assert pusher.push(_state_dict(), 1)["wrote_over_spare"]  # waited for the file
+    assert not spare_dir(shm_root, store.run).exists() or not list(spare_dir(shm_root, store.run).iterdir())
+
+
+def test_a_failed_reservation_is_reported_and_pushes_still_work(store, shm_root, monkeypatch, caplog):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("weightsync.push.os.posix_fallocate", full)
+    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1)
+    pusher.reserve(_state_dict(), background=False)
+    assert isinstance(pusher.reserve_error, OSError) and "No space left" in caplog.text
+    assert not list(run_dir(shm_root, store.run).glob("reserving-*"))  # no partial file left
+    stats = pusher.push(_state_dict(), 1)
+    assert not stats["wrote_over_spare"] and store.latest() == 1
+
+
+def test_a_spare_is_the_smallest_that_fits_else_the_largest(tmp_path):
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    for n in (100, 1000, 10000):
+        (spare / f"s{n}").write_bytes(b"x" * n)
+    assert claim_spare(spare, str(tmp_path / "a"), 500) and (tmp_path / "a").stat().st_size == 1000
+    assert claim_spare(spare, str(tmp_path / "b"), 20000) and (tmp_path / "b").stat().st_size == 10000
+    assert claim_spare(spare, str(tmp_path / "c"), 0) and (tmp_path / "c").stat().st_size == 100
+    assert not claim_spare(spare, str(tmp_path / "d"), 0)
+    assert not claim_spare(tmp_path / "none", str(tmp_path / "e"), 0)
 
 
 def _read_all(store, version) -> dict[str, torch.Tensor]:

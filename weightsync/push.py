@@ -12,8 +12,12 @@ files, parts and Redis data on every rank, so nothing half-written remains.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import shutil
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -29,6 +33,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # dtype -> name as stored in the index.
 DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in SAFETENSORS_DTYPES}
 DATA_PLANES = ("shm", "redis")
+HEADER_SLACK = 64 * 2**10 + 512  # bytes a reserved file adds for the safetensors header: + 512 per tensor
+
+log = logging.getLogger(__name__)
 
 
 def run_dir(shm_root: str | Path, run: str) -> Path:
@@ -132,6 +139,72 @@ class WeightPusher:
         self._base: dict[str, BaseChunk] | None = None  # this rank's last committed chunks
         self._unit_bytes: dict[str, int] = {}  # bytes of this rank's units the base points into
         self._world = 1  # trainer ranks (set by push)
+        self._reserving: threading.Thread | None = None
+        self.reserve_error: OSError | None = None
+
+    def reserve_count(self) -> int:
+        """Shard files this rank's first pushes write before retired ones come back as spares:
+        ``keep_last`` kept versions, the one a policy still leases while it has not yet moved to
+        the newest, and the one being written (only 1 with delta sync: later shards are deltas)."""
+        return 1 if self.delta else self.keep_last + 2
+
+    def reserve(self, state_dict: dict[str, torch.Tensor], background: bool = True) -> None:
+        """Create the shard files this rank's first pushes will write over, so that they cost
+        what later pushes do (shared-memory plane only; nothing to do for Redis).
+
+        A push into a fresh tmpfs file makes the kernel allocate and zero every page: measured
+        here 0.45 s per GiB on an idle VM and 2-3.5 s per GiB while a vLLM engine runs beside
+        it, against 0.2 s writing over a file whose pages are there. Call this at start, while
+        the policy's engine starts: ``background`` allocates in a thread (``posix_fallocate``),
+        which ``push`` waits for. Only the shapes of ``state_dict`` are used (this rank's local
+        shards, at the push dtype). A failure (a full ``/dev/shm``) is logged and kept in
+        ``reserve_error``; the pushes then write fresh files, as without a reservation.
+        """
+        if self.data_plane != "shm":
+            return
+        self._wait_reserved()
+        tensors = without_aliases(state_dict)
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        nbytes = sum(t.numel() for t in local) * elem + HEADER_SLACK + 512 * len(local)
+        count = self.reserve_count()
+        if background:
+            self._reserving = threading.Thread(target=self._reserve, args=(nbytes, count), daemon=True)
+            self._reserving.start()
+        else:
+            self._reserve(nbytes, count)
+
+    def _reserve(self, nbytes: int, count: int) -> None:
+        run = run_dir(self.shm_root, self.store.run)
+        spare = spare_dir(self.shm_root, self.store.run)
+        tag = uuid.uuid4().hex[:8]
+        for i in range(count):
+            # Allocated outside the spare folder and moved in whole: a push never claims a
+            # file that is still being allocated.
+            partial = run / f"reserving-{tag}-{i}"
+            try:
+                spare.mkdir(parents=True, exist_ok=True)
+                with open(partial, "wb") as f:
+                    os.posix_fallocate(f.fileno(), 0, nbytes)
+                partial.rename(spare / f"reserved-{tag}-{i}.safetensors")
+            except OSError as exc:
+                partial.unlink(missing_ok=True)
+                self.reserve_error = exc
+                log.warning(
+                    "weight sync: could not reserve shard file %d of %d (%.0f MiB each) in %s: %s; "
+                    "the first pushes will write fresh files",
+                    i + 1,
+                    count,
+                    nbytes / 2**20,
+                    spare,
+                    exc,
+                )
+                return
+
+    def _wait_reserved(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int) -> dict:
         """Write and commit ``version``; returns timing and byte counts."""
@@ -142,6 +215,7 @@ class WeightPusher:
         unit = unit_name(version, rank)
         self._world = world
         start = time.perf_counter()
+        self._wait_reserved()  # counted in push_s: a reservation still running delays the push
         delta = {"base": self._base, "unit_bytes": self._unit_bytes, "max_live": self.delta_max_live}
         if not self.delta:
             delta["base"] = None
@@ -175,6 +249,7 @@ class WeightPusher:
             "push_s": time.perf_counter() - start,
             "bytes_written": writer.shard_bytes,
             "bytes_reused": writer.bytes_reused,
+            "wrote_over_spare": getattr(writer, "recycled", False),
             "dropped_versions": dropped,
         }
 
@@ -220,6 +295,7 @@ class WeightPusher:
 
     def remove_all(self) -> None:
         """Remove this run's shared-memory directory and Redis data keys (at the end of a run)."""
+        self._wait_reserved()
         shutil.rmtree(run_dir(self.shm_root, self.store.run), ignore_errors=True)
         if self.data_plane == "redis":
             self.store.drop_all_data()
