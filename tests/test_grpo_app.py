@@ -131,6 +131,25 @@ def test_unreachable_redis_is_a_clear_error_and_writes_nothing(tmp_path, tiny_mo
     assert not out.exists()
 
 
+def test_too_little_shared_memory_stops_the_run_before_any_actor_starts(tiny_model_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from apps.grpo.__main__ import check_shared_memory
+    from weightsync.push import HEADER_SLACK, NotEnoughSharedMemory
+
+    weights = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    bf16_bytes = sum(t.numel() for t in weights.values()) * 2
+    file_bytes = bf16_bytes + HEADER_SLACK + 512 * len(weights)  # one trainer rank
+    cfg = _compose("weightsync.keep_last=2")
+    monkeypatch.setattr("weightsync.push.free_bytes", lambda path: 3 * file_bytes - 1)
+    with pytest.raises(NotEnoughSharedMemory, match=r"keep_last=2.*--shm-size"):
+        check_shared_memory(cfg, tiny_model_path, "bfloat16")
+    monkeypatch.setattr("weightsync.push.free_bytes", lambda path: 3 * file_bytes)
+    check_shared_memory(cfg, tiny_model_path, "bfloat16")  # 2 kept versions + 1 being written fit
+    monkeypatch.setattr("weightsync.push.free_bytes", lambda path: 0)
+    check_shared_memory(_compose("weightsync.data_plane=redis"), tiny_model_path, "bfloat16")  # no shm used
+
+
 def test_existing_output_folder_is_not_overwritten(tmp_path, tiny_model_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text("keep\n")

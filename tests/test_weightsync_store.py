@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from tests.boxes import random_box
-from weightsync.push import WeightPusher, run_dir, spare_dir, version_dir
+from weightsync.push import HEADER_SLACK, NotEnoughSharedMemory, WeightPusher, run_dir, spare_dir, version_dir
 from weightsync.reader import ChunkSource, read_box
 from weightsync.redis_server import LocalRedis, RedisUnavailable, check_redis
 from weightsync.shm_writer import claim_spare, shard_file_name
@@ -206,6 +207,32 @@ def test_a_failed_reservation_is_reported_and_pushes_still_work(store, shm_root,
     assert not list(run_dir(shm_root, store.run).glob("reserving-*"))  # no partial file left
     stats = pusher.push(_state_dict(), 1)
     assert not stats["wrote_over_spare"] and store.latest() == 1
+
+
+def _free_space(monkeypatch, nbytes: int) -> None:
+    """``os.statvfs`` reports ``nbytes`` free (the subject is the check, not the filesystem)."""
+    monkeypatch.setattr("weightsync.push.os.statvfs", lambda path: SimpleNamespace(f_bavail=nbytes, f_frsize=1))
+
+
+def test_too_little_shared_memory_for_the_kept_versions_stops_the_start(store, shm_root, monkeypatch):
+    pusher = WeightPusher(store, shm_root=shm_root, keep_last=2)
+    sd = _state_dict()
+    shard = (15 * 8 + 12 * 8 + 8) * 4  # float32, the tied head stored once
+    _free_space(monkeypatch, 2 * shard)  # keep_last=2 needs 3 files (2 kept + 1 being written)
+    with pytest.raises(NotEnoughSharedMemory, match=r"keep_last=2.*--shm-size.*data_plane=redis"):
+        pusher.reserve(sd, background=False)
+    assert not spare_dir(shm_root, store.run).exists()
+
+
+def test_room_for_the_kept_versions_only_reserves_fewer_files_and_warns(store, shm_root, monkeypatch, caplog):
+    pusher = WeightPusher(store, shm_root=shm_root, keep_last=2)
+    sd = _state_dict()
+    per_file = (15 * 8 + 12 * 8 + 8) * 4 + HEADER_SLACK + 3 * 512  # data + the header's room
+    _free_space(monkeypatch, 3 * per_file + 1)  # 3 of the 4 files a lagging policy needs
+    pusher.reserve(sd, background=False)
+    assert len(list(spare_dir(shm_root, store.run).iterdir())) == 3 < pusher.reserve_count()
+    assert "room for 3 of the 4 shard files" in caplog.text
+    assert all(stats["wrote_over_spare"] for stats in (pusher.push(sd, v) for v in (1, 2, 3)))
 
 
 def test_a_spare_is_the_smallest_that_fits_else_the_largest(tmp_path):

@@ -33,7 +33,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # dtype -> name as stored in the index.
 DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in SAFETENSORS_DTYPES}
 DATA_PLANES = ("shm", "redis")
-HEADER_SLACK = 64 * 2**10 + 512  # bytes a reserved file adds for the safetensors header: + 512 per tensor
+HEADER_SLACK = 64 * 2**10  # room a shard file needs for its safetensors header (+ 512 per tensor)
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,56 @@ def _agree(ok: bool, distributed: bool) -> bool:
     return bool(flag.item())
 
 
+def _min_over_ranks(value: int, distributed: bool) -> int:
+    """The smallest ``value`` of all ranks (a collective when distributed)."""
+    if not distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 class PushFailed(RuntimeError):
     """Another trainer rank's part of a push failed (that rank raised the cause)."""
+
+
+class NotEnoughSharedMemory(RuntimeError):
+    """``shm_root`` cannot hold the shard files a run keeps (checked when the trainer starts)."""
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes free to us on the filesystem of ``path`` (or of its nearest existing folder)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+def check_shm_room(shm_root: str | Path, free: int, ranks: int, file_bytes: int, keep_last: int, delta: bool) -> None:
+    """Raise ``NotEnoughSharedMemory`` unless ``free`` bytes hold the shard files a run keeps:
+    ``keep_last + 1`` per rank (the kept versions and the one being written; 1 with delta sync,
+    whose later shards are small), each ``file_bytes``, all ranks on one host."""
+    needed = 1 if delta else keep_last + 1
+    total = needed * ranks * file_bytes
+    if free >= total:
+        return
+    kept = "" if delta else f": weightsync.keep_last={keep_last} + the one being written"
+    raise NotEnoughSharedMemory(
+        f"weight sync needs {total / 2**20:.1f} MiB of shared memory in {shm_root} ({ranks} trainer "
+        f"rank(s) x {needed} shard file(s) of {file_bytes / 2**20:.1f} MiB{kept}), but only "
+        f"{free / 2**20:.1f} MiB are free. Give the machine more shared memory (in a container: "
+        "docker run --shm-size=...), point weightsync.shm_root at a tmpfs with room, lower "
+        "weightsync.keep_last, or push through Redis (weightsync.data_plane=redis)."
+    )
+
+
+def shard_file_bytes(numel: int, dtype: torch.dtype, tensors: int) -> int:
+    """Bytes of a shard file holding ``numel`` elements of ``dtype`` in ``tensors`` tensors, with
+    room for its safetensors header."""
+    return numel * torch.empty(0, dtype=dtype).element_size() + HEADER_SLACK + 512 * tensors
 
 
 class WeightPusher:
@@ -157,17 +205,40 @@ class WeightPusher:
         it, against 0.2 s writing over a file whose pages are there. Call this at start, while
         the policy's engine starts: ``background`` allocates in a thread (``posix_fallocate``),
         which ``push`` waits for. Only the shapes of ``state_dict`` are used (this rank's local
-        shards, at the push dtype). A failure (a full ``/dev/shm``) is logged and kept in
-        ``reserve_error``; the pushes then write fresh files, as without a reservation.
+        shards, at the push dtype).
+
+        A collective when distributed (every rank calls it). Space: the ranks (all on one host,
+        as the shared-memory plane requires) need ``keep_last + 1`` shard files each for the
+        versions a run keeps (1 with delta sync); if ``shm_root`` has less free space this
+        raises ``NotEnoughSharedMemory`` saying what to change, instead of a push failing
+        later. Without room for the lagging policy's extra file, fewer files are reserved and a
+        warning says so. A failure while allocating (another process filled ``/dev/shm``) is
+        logged and kept in ``reserve_error``; the pushes then write fresh files.
         """
         if self.data_plane != "shm":
             return
         self._wait_reserved()
         tensors = without_aliases(state_dict)
         local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        nbytes = sum(t.numel() for t in local) * elem + HEADER_SLACK + 512 * len(local)
+        nbytes = shard_file_bytes(sum(t.numel() for t in local), self.dtype, len(local))
         count = self.reserve_count()
+        distributed = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if distributed else 1
+        # Every rank measures before any rank allocates: the smallest reading is what all use.
+        free = _min_over_ranks(free_bytes(self.shm_root), distributed)
+        check_shm_room(self.shm_root, free, world, nbytes, self.keep_last, self.delta)
+        per_file = world * nbytes  # one file per rank on this host
+        if free < count * per_file:
+            log.warning(
+                "weight sync: %s has room for %d of the %d shard files per rank that a run with a lagging "
+                "policy keeps (%.1f MiB each); reserving those, a push may fail with 'No space left on "
+                "device' if the policy falls behind",
+                self.shm_root,
+                free // per_file,
+                count,
+                nbytes / 2**20,
+            )
+            count = int(free // per_file)
         if background:
             self._reserving = threading.Thread(target=self._reserve, args=(nbytes, count), daemon=True)
             self._reserving.start()

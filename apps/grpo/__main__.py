@@ -7,6 +7,7 @@ output folder) runs before anything is written or started, so bad input leaves n
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import signal
 import sys
@@ -42,6 +43,28 @@ def resolve_model_path(cfg) -> str:
         return str(check_model_dir(cfg.model.path))
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+
+def check_shared_memory(cfg, model_path: str, sync_dtype: str) -> None:
+    """Stop before any actor starts if ``weightsync.shm_root`` cannot hold the weight versions
+    the run keeps (the model's tensors at the sync dtype, ``keep_last + 1`` times; the trainer
+    ranks check again from their exact shards when they start). Nothing to check for Redis."""
+    if cfg.weightsync.data_plane != "shm":
+        return
+    from safetensors import safe_open
+
+    from weightsync.push import DTYPES, check_shm_room, free_bytes, shard_file_bytes
+
+    numel = tensors = 0
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (a safetensors file is not iterable)
+                numel += math.prod(f.get_slice(key).get_shape())
+                tensors += 1
+    ranks = cfg.trainer.ranks
+    file_bytes = shard_file_bytes(-(-numel // ranks), DTYPES[sync_dtype], tensors)
+    root = cfg.weightsync.shm_root
+    check_shm_room(root, free_bytes(root), ranks, file_bytes, cfg.weightsync.keep_last, cfg.weightsync.delta)
 
 
 def check_output_dir(cfg) -> Path:
@@ -123,6 +146,18 @@ def run(cfg, console: Console) -> dict:
             redis_url = cfg.redis.url
         else:
             redis_url = stack.enter_context(LocalRedis()).url
+        shm_dir = run_dir(cfg.weightsync.shm_root, cfg.run_name)
+        if not cfg.redis.url and shm_dir.exists():
+            # A run of this name killed without cleanup (SIGKILL, OOM, power): with a private Redis
+            # no store can reference these files any more. With a shared Redis they may be live.
+            leftover = sum(f.stat().st_size for f in shm_dir.rglob("*") if f.is_file())
+            shutil.rmtree(shm_dir, ignore_errors=True)
+            console.print(
+                f"removed {leftover / 2**20:.1f} MiB of shared-memory weights left in {shm_dir} by an earlier run"
+            )
+        # Removed from here, not by the trainer actor, so that it happens even if the trainer died.
+        stack.callback(shutil.rmtree, shm_dir, ignore_errors=True)
+        check_shared_memory(cfg, model_path, policy_dtype)
         out_dir = check_output_dir(cfg)
         prepare_output_dir(cfg, out_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -137,17 +172,6 @@ def run(cfg, console: Console) -> dict:
         # ray.init, which installs a handler of its own that aborts the process.)
         signal.signal(signal.SIGTERM, _interrupt)
         stack.callback(ray.shutdown)
-        shm_dir = run_dir(cfg.weightsync.shm_root, cfg.run_name)
-        if not cfg.redis.url and shm_dir.exists():
-            # A run of this name killed without cleanup (SIGKILL, OOM, power): with a private Redis
-            # no store can reference these files any more. With a shared Redis they may be live.
-            leftover = sum(f.stat().st_size for f in shm_dir.rglob("*") if f.is_file())
-            shutil.rmtree(shm_dir, ignore_errors=True)
-            console.print(
-                f"removed {leftover / 2**20:.1f} MiB of shared-memory weights left in {shm_dir} by an earlier run"
-            )
-        # Removed from here, not by the trainer actor, so that it happens even if the trainer died.
-        stack.callback(shutil.rmtree, shm_dir, ignore_errors=True)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
         actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda)
         stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
@@ -167,11 +191,12 @@ def main(cfg) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     console = Console(soft_wrap=True)
     from checkpointing.folders import CheckpointError
+    from weightsync.push import NotEnoughSharedMemory
     from weightsync.redis_server import RedisUnavailable
 
     try:
         result = run(cfg, console)
-    except (ConfigError, RedisUnavailable, CheckpointError) as e:
+    except (ConfigError, RedisUnavailable, CheckpointError, NotEnoughSharedMemory) as e:
         cause = getattr(e, "cause", None) or e  # an actor's error arrives wrapped with its traceback
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {cause}", markup=True, highlight=False)
         sys.exit(2)
