@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import ray
 
+from actors.engine_shm import EngineFileRecord
 from weightsync.store import WeightStore
 
 EXTENSION = "weightsync.vllm_extension.WeightSyncExtension"
@@ -41,8 +42,13 @@ class Policy:
         seed: int = 0,
         omp_threads_bind: str | None = None,
         verify: bool = True,
+        engine_files_record: str | None = None,
     ) -> None:
+        """``engine_files_record``: a JSON file where the engine's shared-memory files are
+        listed while it starts, for the launcher to remove if this actor dies before it stops
+        the engine (``actors.engine_shm``); None: not recorded."""
         self.verify = verify  # check the tile checksums of every slice read in an update
+        self.engine_files = EngineFileRecord(engine_files_record) if engine_files_record else None
         if omp_threads_bind:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind
         from vllm import LLM
@@ -60,6 +66,8 @@ class Policy:
         # Dense buffers for the weights vLLM-cpu repacks, allocated and touched now rather than
         # in the first weight update (see WeightSyncExtension.prepare_weight_updates).
         self.prepared_bytes_per_worker = self.llm.collective_rpc("prepare_weight_updates")
+        if self.engine_files is not None:
+            self.engine_files.started()
         self.redis_url = redis_url
         self.run = run
         self.replica = replica
@@ -169,3 +177,5 @@ class Policy:
     def close(self) -> None:
         """Stop the vLLM engine (its processes and shared-memory queues) before Ray ends the actor."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self.engine_files is not None:
+            self.engine_files.remove()  # what the shutdown left, if anything

@@ -1,5 +1,6 @@
 """The `python -m apps.grpo` entry point: config errors, bad input, and a short real GRPO run."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -278,6 +279,52 @@ def test_sigterm_mid_run_cleans_up_and_keeps_finished_steps(tmp_path, tiny_model
     assert "interrupted" in err
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line is whole
     assert len(rows) >= 2 and not any(r.get("final") for r in rows)
+    assert not any(shm.glob("ws-*"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_engine_starts_leaves_no_shared_memory(tmp_path, tiny_model_path):
+    """Ray ends the policy actor (SIGTERM, then SIGKILL within ~0.1 s) while vLLM is starting:
+    its engine processes die without removing their /dev/shm queues, so the launcher removes
+    those the policy recorded."""
+    import signal
+    import time
+
+    shm = tmp_path / "shm"
+    record = shm / "ws-startint" / "engine-files.json"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "apps.grpo",
+            f"output_dir={tmp_path}",
+            "run_name=startint",
+            f"weightsync.shm_root={shm}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        queues = []
+        while not queues:  # the engine has made its message queue: it is mid-start
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                "the run ended or stalled before its engine started"
+            )
+            time.sleep(0.2)
+            with contextlib.suppress(OSError, ValueError):
+                queues = [Path(p) for p in json.loads(record.read_text()) if Path(p).name.startswith("psm_")]
+        assert all(q.exists() for q in queues)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted" in err
+    assert not [q for q in queues if q.exists()], "the engine's shared-memory queues were left in /dev/shm"
+    assert "MiB of shared memory the stopped vLLM engine left" in out
     assert not any(shm.glob("ws-*"))
 
 

@@ -126,7 +126,8 @@ def run(cfg, console: Console) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from apps.grpo.loop import resume_from_checkpoint, run_grpo, start_actors
+    from actors.engine_shm import remove_recorded
+    from apps.grpo.loop import engine_files_record, resume_from_checkpoint, run_grpo, start_actors
     from tasks.arithmetic import ArithmeticTask
     from weightsync.push import run_dir
     from weightsync.redis_server import LocalRedis, check_redis
@@ -147,16 +148,19 @@ def run(cfg, console: Console) -> dict:
         else:
             redis_url = stack.enter_context(LocalRedis()).url
         shm_dir = run_dir(cfg.weightsync.shm_root, cfg.run_name)
+        engine_record = engine_files_record(cfg)
         if not cfg.redis.url and shm_dir.exists():
             # A run of this name killed without cleanup (SIGKILL, OOM, power): with a private Redis
             # no store can reference these files any more. With a shared Redis they may be live.
-            leftover = sum(f.stat().st_size for f in shm_dir.rglob("*") if f.is_file())
+            leftover = remove_recorded(engine_record)  # its vLLM engine's queues, if it died starting
+            leftover += sum(f.stat().st_size for f in shm_dir.rglob("*") if f.is_file())
             shutil.rmtree(shm_dir, ignore_errors=True)
-            console.print(
-                f"removed {leftover / 2**20:.1f} MiB of shared-memory weights left in {shm_dir} by an earlier run"
-            )
-        # Removed from here, not by the trainer actor, so that it happens even if the trainer died.
+            console.print(f"removed {leftover / 2**20:.1f} MiB of shared memory left by an earlier run ({shm_dir})")
+        # Removed from here, not by the actors, so that it happens even if they died: after
+        # ray.shutdown (registered later, so it runs first), the engine's shared-memory queues
+        # (left when the policy is ended before its engine finished starting), then the weights.
         stack.callback(shutil.rmtree, shm_dir, ignore_errors=True)
+        stack.callback(_remove_engine_files, engine_record, console)
         check_shared_memory(cfg, model_path, policy_dtype)
         out_dir = check_output_dir(cfg)
         prepare_output_dir(cfg, out_dir)
@@ -180,6 +184,14 @@ def run(cfg, console: Console) -> dict:
         result = run_grpo(cfg, actors, task, tokenizer, out_dir, console, resume=state)
         result["hf_dir"] = actors.trainer.export_hf(str((out_dir / "hf").resolve()))
     return result
+
+
+def _remove_engine_files(record: Path, console) -> None:
+    from actors.engine_shm import remove_recorded
+
+    freed = remove_recorded(record)
+    if freed:
+        console.print(f"removed {freed / 2**20:.1f} MiB of shared memory the stopped vLLM engine left in /dev/shm")
 
 
 def _interrupt(signum, frame) -> None:

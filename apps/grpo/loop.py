@@ -21,6 +21,7 @@ from algos.episodes import Episode, assign_advantages
 from apps.grpo.config import ConfigError
 from checkpointing import folders
 from tasks.arithmetic import ArithmeticTask, Problem
+from weightsync.push import run_dir
 
 
 @dataclass
@@ -30,6 +31,12 @@ class Actors:
     reward: ray.actor.ActorHandle
     replay: ray.actor.ActorHandle
     reference: ray.actor.ActorHandle | None
+
+
+def engine_files_record(cfg) -> Path:
+    """Where the policy lists its vLLM engine's shared-memory files (``actors.engine_shm``): in
+    the run's shared-memory folder, which the launcher removes at the end."""
+    return run_dir(cfg.weightsync.shm_root, cfg.run_name) / "engine-files.json"
 
 
 def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cuda: bool) -> Actors:
@@ -46,6 +53,7 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         seed=cfg.seed,
         omp_threads_bind=cfg.policy.omp_threads_bind,
         verify=cfg.weightsync.verify,
+        engine_files_record=str(engine_files_record(cfg)),
     )
     trainer = TrainerGroup(
         cfg.trainer.ranks,

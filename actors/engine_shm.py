@@ -1,0 +1,122 @@
+"""Which shared-memory files a vLLM engine uses, recorded so that they can be removed after it dies.
+
+vLLM's engine core and TP workers talk through files in /dev/shm (``psm_*`` message queues of
+160-400 MiB per engine, ``vllm_*`` TP buffers, ``sem.mp-*`` semaphores). vLLM removes them only
+when a fully started engine shuts down. Ray ends an actor with SIGTERM and SIGKILL within about
+0.1 s (``ray.shutdown`` after a failed start, Ctrl-C or a scheduler's SIGTERM during the
+engine's minute-long start), too soon for a signal handler in a main thread busy starting the
+engine: the engine processes die with their parent and the files stay until reboot (measured:
+160 MiB per interrupted start of the embedded model's engine).
+
+So the process that starts the engine records the files (``EngineFileRecord``: a thread reads
+/proc/<pid>/maps and fds of its descendants every ``period`` s while the engine starts, and
+rewrites a JSON list whenever it grows), and whoever outlives it (the launcher, after
+``ray.shutdown``) calls ``remove_recorded``. Unlinking a file that a live process still maps is
+safe: the mapping stays until the process exits. Only /dev/shm files with vLLM's prefixes are
+ever touched, never the weight shards the workers read (those belong to the store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+PREFIXES = ("psm_", "vllm_", "sem.mp-")
+
+
+def _is_engine_file(path: Path) -> bool:
+    return path.parent == SHM_DIR and path.name.startswith(PREFIXES) and "/" not in path.name
+
+
+def engine_files(pids: list[int]) -> set[Path]:
+    """The files in /dev/shm with vLLM's prefixes that the processes ``pids`` map or hold open
+    (read from /proc/<pid>/maps and /proc/<pid>/fd: a few ms)."""
+    found = set()
+    for pid in pids:
+        paths = []
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            paths += [line.split(maxsplit=5)[5].strip() for line in maps if " /dev/shm/" in line]
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        found.update(path for path in map(Path, paths) if _is_engine_file(path))
+    return found
+
+
+def _descendants() -> list[int]:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return [proc.pid for proc in psutil.Process().children(recursive=True)]
+    return []
+
+
+class EngineFileRecord:
+    """Records the engine files of this process's descendants in ``path`` (a JSON list).
+
+    Create it before starting the engine; call ``started()`` once it is up (vLLM makes no new
+    files after its start) and ``remove()`` after shutting it down.
+    """
+
+    def __init__(self, path: str | Path, period: float = 0.5) -> None:
+        self.path = Path(path)
+        self.files: set[Path] = set()
+        self._period = period
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="engine-file-record", daemon=True)
+        self._thread.start()
+
+    def scan(self) -> None:
+        """Add the files the descendants use now; rewrite the record if there are new ones."""
+        found = engine_files(_descendants())
+        with self._lock:
+            if found <= self.files:
+                return
+            self.files |= found
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(sorted(str(p) for p in self.files)))
+            tmp.replace(self.path)  # a reader sees the old list or the new one, never half
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._period):
+            with contextlib.suppress(OSError):
+                self.scan()
+
+    def started(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.scan()
+
+    def remove(self) -> int:
+        """Remove the recorded files still there, and the record; returns the bytes freed."""
+        self._stop.set()
+        return remove_recorded(self.path)
+
+
+def remove_recorded(record: str | Path) -> int:
+    """Remove the engine files listed in ``record`` (those that still exist) and the record
+    itself; returns the bytes freed. Entries that are not /dev/shm files with vLLM's prefixes
+    are ignored (the record is data, not a list of things to delete at will)."""
+    record = Path(record)
+    try:
+        names = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return 0
+    freed = 0
+    for name in names if isinstance(names, list) else []:
+        path = Path(str(name))
+        if not _is_engine_file(path):
+            continue
+        with contextlib.suppress(OSError):
+            size = path.stat().st_size
+            path.unlink()
+            freed += size
+    record.unlink(missing_ok=True)
+    return freed

@@ -1,0 +1,60 @@
+"""Recording and removing a vLLM engine's shared-memory files (without vLLM: a child process
+that holds shared memory the way vLLM's message queues do)."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from actors.engine_shm import EngineFileRecord, engine_files, remove_recorded
+
+HOLDER = """
+import mmap, sys, time
+from multiprocessing import resource_tracker, shared_memory
+queue = shared_memory.SharedMemory(create=True, size=1 << 20)  # psm_*: vLLM's kind
+resource_tracker.unregister(queue._name, "shared_memory")  # as vLLM does: nobody removes it on exit
+other = open(sys.argv[1], "w+b"); other.truncate(4096)  # a weight shard: not the engine's
+mapped = mmap.mmap(other.fileno(), 4096)
+print(queue.name, flush=True)
+time.sleep(60)
+"""
+
+
+def _holder(tmp_name: str) -> tuple[subprocess.Popen, Path]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, tmp_name], stdout=subprocess.PIPE, text=True)
+    return proc, Path("/dev/shm") / proc.stdout.readline().strip()
+
+
+def test_a_child_process_s_engine_files_are_found_and_recorded_but_not_other_shm_files(tmp_path):
+    other = Path("/dev/shm") / f"ws-test-{time.monotonic_ns()}"
+    proc, queue = _holder(str(other))
+    try:
+        assert queue.exists() and queue.name.startswith("psm_")
+        assert engine_files([proc.pid]) == {queue}  # the mapped weight-like file is not listed
+        record = EngineFileRecord(tmp_path / "engine-files.json", period=0.05)
+        record.started()
+        assert json.loads((tmp_path / "engine-files.json").read_text()) == [str(queue)]
+    finally:
+        proc.kill()
+        proc.wait()
+    # The holder died without removing its queue, as an engine killed with its parent does.
+    assert queue.exists()
+    assert record.remove() == 1 << 20
+    assert not queue.exists() and not (tmp_path / "engine-files.json").exists()
+    assert other.exists()
+    other.unlink()
+
+
+def test_a_record_can_only_remove_engine_files(tmp_path):
+    keep = [tmp_path / "psm_not_in_dev_shm", Path("/dev/shm") / f"ws-test-{time.monotonic_ns()}"]
+    for path in keep:
+        path.write_bytes(b"x")
+    gone = Path("/dev/shm") / f"psm_test_{time.monotonic_ns()}"
+    gone.write_bytes(b"y" * 10)
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps([*map(str, keep), str(gone), "/dev/shm/psm_missing", "/dev/shm/../etc/x", 7]))
+    assert remove_recorded(record) == 10
+    assert all(path.exists() for path in keep) and not gone.exists()
+    keep[1].unlink()
+    assert remove_recorded(tmp_path / "no-such-record.json") == 0
