@@ -191,7 +191,7 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
     assert final["final"] is True and final["policy_version"] == 3 and 0.0 <= final["eval_accuracy"] <= 1.0
     assert steps[0]["kl"] < 1e-6 < steps[2]["kl"]  # policy == reference at first, then they part
     assert "eval accuracy:" in proc.stdout
-    assert f"removed 3.0 MiB of shared-memory weights left in {shm / 'ws-short'}" in proc.stdout
+    assert f"removed 3.0 MiB of shared memory left by an earlier run ({shm / 'ws-short'})" in proc.stdout
 
     resolved = (out / "config.yaml").read_text()
     assert f"path: {tiny_model_path}" in resolved and "kl_coef: 0.05" in resolved
