@@ -1,5 +1,6 @@
 """The store's control plane (real redis-server) and the shared-memory data plane, without vLLM."""
 
+import errno
 import json
 import random
 import subprocess
@@ -233,6 +234,20 @@ def test_room_for_the_kept_versions_only_reserves_fewer_files_and_warns(store, s
     assert len(list(spare_dir(shm_root, store.run).iterdir())) == 3 < pusher.reserve_count()
     assert "room for 3 of the 4 shard files" in caplog.text
     assert all(stats["wrote_over_spare"] for stats in (pusher.push(sd, v) for v in (1, 2, 3)))
+
+
+def test_a_full_shared_memory_during_a_push_is_a_clear_error_and_leaves_nothing(store, shm_root, monkeypatch):
+    def full(self, file_name, parts):
+        with open(self.fs.concat_path(self.path, file_name), "wb") as f:
+            f.write(b"x" * 100)  # part of the shard made it to disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1)
+    pusher.push(_state_dict(), 1)
+    monkeypatch.setattr("weightsync.shm_writer.ShmSafetensorsWriter._emit", full)
+    with pytest.raises(NotEnoughSharedMemory, match=r"weight version 2: .* ran out of space.*keep_last=1.*--shm-size"):
+        pusher.push(_state_dict(2), 2)
+    assert store.versions() == [1] and not version_dir(shm_root, store.run, 2).exists()
 
 
 def test_a_spare_is_the_smallest_that_fits_else_the_largest(tmp_path):

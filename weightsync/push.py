@@ -12,6 +12,7 @@ files, parts and Redis data on every rank, so nothing half-written remains.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -98,6 +99,24 @@ def _min_over_ranks(value: int, distributed: bool) -> int:
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def _no_space(exc: BaseException) -> bool:
+    """Was ``exc`` (or a failure DCP wrapped in it, or its cause) "No space left on device"?"""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return False
 
 
 class PushFailed(RuntimeError):
@@ -305,6 +324,15 @@ class WeightPusher:
             error = exc
         if not _agree(error is None, distributed):
             self._clean_up(version, rank, world, writer, out_dir)
+            if error is not None and self.data_plane == "shm" and _no_space(error):
+                raise NotEnoughSharedMemory(
+                    f"weight version {version}: {self.shm_root} ran out of space while this trainer rank wrote "
+                    f"its shard ({free_bytes(self.shm_root) / 2**20:.1f} MiB free after removing it; the run "
+                    f"keeps weightsync.keep_last={self.keep_last} versions plus any a policy still holds). Give "
+                    "the machine more shared memory (in a container: docker run --shm-size=...), point "
+                    "weightsync.shm_root at a tmpfs with room, lower weightsync.keep_last, or push through "
+                    "Redis (weightsync.data_plane=redis)."
+                ) from error
             raise error or PushFailed(f"weight version {version}: another trainer rank failed to write its part")
         if rank == 0:
             try:
