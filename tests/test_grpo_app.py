@@ -136,18 +136,18 @@ def test_too_little_shared_memory_stops_the_run_before_any_actor_starts(tiny_mod
     from safetensors.torch import load_file
 
     from apps.grpo.__main__ import check_shared_memory
-    from weightsync.push import HEADER_SLACK, NotEnoughSharedMemory
+    from weightsync.shm_space import HEADER_SLACK, NotEnoughSharedMemory
 
     weights = load_file(str(Path(tiny_model_path) / "model.safetensors"))
     bf16_bytes = sum(t.numel() for t in weights.values()) * 2
     file_bytes = bf16_bytes + HEADER_SLACK + 512 * len(weights)  # one trainer rank
     cfg = _compose("weightsync.keep_last=2")
-    monkeypatch.setattr("weightsync.push.free_bytes", lambda path: 3 * file_bytes - 1)
+    monkeypatch.setattr("weightsync.shm_space.free_bytes", lambda path: 3 * file_bytes - 1)
     with pytest.raises(NotEnoughSharedMemory, match=r"keep_last=2.*--shm-size"):
         check_shared_memory(cfg, tiny_model_path, "bfloat16")
-    monkeypatch.setattr("weightsync.push.free_bytes", lambda path: 3 * file_bytes)
+    monkeypatch.setattr("weightsync.shm_space.free_bytes", lambda path: 3 * file_bytes)
     check_shared_memory(cfg, tiny_model_path, "bfloat16")  # 2 kept versions + 1 being written fit
-    monkeypatch.setattr("weightsync.push.free_bytes", lambda path: 0)
+    monkeypatch.setattr("weightsync.shm_space.free_bytes", lambda path: 0)
     check_shared_memory(_compose("weightsync.data_plane=redis"), tiny_model_path, "bfloat16")  # no shm used
 
 
@@ -241,26 +241,13 @@ def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
     assert sorted(p.name for p in (tmp_path / "variants" / "checkpoints").iterdir()) == ["step_1", "step_2"]
 
 
-@pytest.mark.slow
-def test_sigterm_mid_run_cleans_up_and_keeps_finished_steps(tmp_path, tiny_model_path):
-    import signal
+def _signal_app_when(ready, signum: int, *overrides: str, what: str) -> tuple[subprocess.CompletedProcess, object]:
+    """Start the app, wait (5 min at most) until ``ready()`` returns something true, send it
+    ``signum``; returns the finished process and what ``ready`` returned."""
     import time
 
-    shm = tmp_path / "shm"
-    metrics = tmp_path / "term" / "metrics.jsonl"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "apps.grpo",
-            "steps=500",
-            "eval_every=0",
-            "prompts_per_step=8",
-            "algo.group_size=4",
-            f"output_dir={tmp_path}",
-            "run_name=term",
-            f"weightsync.shm_root={shm}",
-        ],
+        [sys.executable, "-m", "apps.grpo", *overrides],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -268,15 +255,36 @@ def test_sigterm_mid_run_cleans_up_and_keeps_finished_steps(tmp_path, tiny_model
     )
     try:
         deadline = time.monotonic() + 300
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 2"
-            time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        while not (seen := ready()):
+            assert proc.poll() is None and time.monotonic() < deadline, f"the run ended or stalled before {what}"
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130, err[-3000:]
-    assert "interrupted" in err
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), seen
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_cleans_up_and_keeps_finished_steps(tmp_path, tiny_model_path):
+    import signal
+
+    shm = tmp_path / "shm"
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    proc, _ = _signal_app_when(
+        lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
+        signal.SIGTERM,
+        "steps=500",
+        "eval_every=0",
+        "prompts_per_step=8",
+        "algo.group_size=4",
+        f"output_dir={tmp_path}",
+        "run_name=term",
+        f"weightsync.shm_root={shm}",
+        what="step 2",
+    )
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "interrupted" in proc.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line is whole
     assert len(rows) >= 2 and not any(r.get("final") for r in rows)
     assert not any(shm.glob("ws-*"))
@@ -288,43 +296,27 @@ def test_ctrl_c_while_the_engine_starts_leaves_no_shared_memory(tmp_path, tiny_m
     its engine processes die without removing their /dev/shm queues, so the launcher removes
     those the policy recorded."""
     import signal
-    import time
 
     shm = tmp_path / "shm"
     record = shm / "ws-startint" / "engine-files.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "apps.grpo",
-            f"output_dir={tmp_path}",
-            "run_name=startint",
-            f"weightsync.shm_root={shm}",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+
+    def engine_queues() -> list[Path]:  # once the engine has made its message queue: mid-start
+        with contextlib.suppress(OSError, ValueError):
+            return [Path(p) for p in json.loads(record.read_text()) if Path(p).name.startswith("psm_")]
+        return []
+
+    proc, queues = _signal_app_when(
+        engine_queues,
+        signal.SIGINT,
+        f"output_dir={tmp_path}",
+        "run_name=startint",
+        f"weightsync.shm_root={shm}",
+        what="its engine started",
     )
-    try:
-        deadline = time.monotonic() + 300
-        queues = []
-        while not queues:  # the engine has made its message queue: it is mid-start
-            assert proc.poll() is None and time.monotonic() < deadline, (
-                "the run ended or stalled before its engine started"
-            )
-            time.sleep(0.2)
-            with contextlib.suppress(OSError, ValueError):
-                queues = [Path(p) for p in json.loads(record.read_text()) if Path(p).name.startswith("psm_")]
-        assert all(q.exists() for q in queues)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err[-3000:]
-    assert "interrupted" in err
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "interrupted" in proc.stderr
     assert not [q for q in queues if q.exists()], "the engine's shared-memory queues were left in /dev/shm"
-    assert "MiB of shared memory the stopped vLLM engine left" in out
+    assert "MiB of shared memory the stopped vLLM engine left" in proc.stdout
     assert not any(shm.glob("ws-*"))
 
 

@@ -19,9 +19,10 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from tests.boxes import random_box
-from weightsync.push import HEADER_SLACK, NotEnoughSharedMemory, WeightPusher, run_dir, spare_dir, version_dir
+from weightsync.push import WeightPusher, run_dir, spare_dir, version_dir
 from weightsync.reader import ChunkSource, read_box
 from weightsync.redis_server import LocalRedis, RedisUnavailable, check_redis
+from weightsync.shm_space import HEADER_SLACK, NotEnoughSharedMemory
 from weightsync.shm_writer import claim_spare, shard_file_name
 from weightsync.store import Chunk, TensorEntry, VersionNotFound
 
@@ -212,7 +213,7 @@ def test_a_failed_reservation_is_reported_and_pushes_still_work(store, shm_root,
 
 def _free_space(monkeypatch, nbytes: int) -> None:
     """``os.statvfs`` reports ``nbytes`` free (the subject is the check, not the filesystem)."""
-    monkeypatch.setattr("weightsync.push.os.statvfs", lambda path: SimpleNamespace(f_bavail=nbytes, f_frsize=1))
+    monkeypatch.setattr("weightsync.shm_space.os.statvfs", lambda path: SimpleNamespace(f_bavail=nbytes, f_frsize=1))
 
 
 def test_too_little_shared_memory_for_the_kept_versions_stops_the_start(store, shm_root, monkeypatch):

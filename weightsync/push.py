@@ -12,7 +12,6 @@ files, parts and Redis data on every rank, so nothing half-written remains.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import shutil
@@ -26,6 +25,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from weightsync.redis_data import RedisSafetensorsWriter
+from weightsync.shm_space import (
+    SHM_REMEDIES,
+    NotEnoughSharedMemory,
+    check_shm_room,
+    free_bytes,
+    no_space,
+    shard_file_bytes,
+)
 from weightsync.shm_writer import SAFETENSORS_DTYPES, BaseChunk, ShmSafetensorsWriter, shard_file_name
 from weightsync.store import TensorEntry, WeightStore, parse_unit, unit_name
 
@@ -34,7 +41,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # dtype -> name as stored in the index.
 DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in SAFETENSORS_DTYPES}
 DATA_PLANES = ("shm", "redis")
-HEADER_SLACK = 64 * 2**10  # room a shard file needs for its safetensors header (+ 512 per tensor)
 
 log = logging.getLogger(__name__)
 
@@ -101,63 +107,8 @@ def _min_over_ranks(value: int, distributed: bool) -> int:
     return int(t.item())
 
 
-def _no_space(exc: BaseException) -> bool:
-    """Was ``exc`` (or a failure DCP wrapped in it, or its cause) "No space left on device"?"""
-    seen = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo += [e.__cause__, e.__context__]
-    return False
-
-
 class PushFailed(RuntimeError):
     """Another trainer rank's part of a push failed (that rank raised the cause)."""
-
-
-class NotEnoughSharedMemory(RuntimeError):
-    """``shm_root`` cannot hold the shard files a run keeps (checked when the trainer starts)."""
-
-
-def free_bytes(path: str | Path) -> int:
-    """Bytes free to us on the filesystem of ``path`` (or of its nearest existing folder)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize
-
-
-def check_shm_room(shm_root: str | Path, free: int, ranks: int, file_bytes: int, keep_last: int, delta: bool) -> None:
-    """Raise ``NotEnoughSharedMemory`` unless ``free`` bytes hold the shard files a run keeps:
-    ``keep_last + 1`` per rank (the kept versions and the one being written; 1 with delta sync,
-    whose later shards are small), each ``file_bytes``, all ranks on one host."""
-    needed = 1 if delta else keep_last + 1
-    total = needed * ranks * file_bytes
-    if free >= total:
-        return
-    kept = "" if delta else f": weightsync.keep_last={keep_last} + the one being written"
-    raise NotEnoughSharedMemory(
-        f"weight sync needs {total / 2**20:.1f} MiB of shared memory in {shm_root} ({ranks} trainer "
-        f"rank(s) x {needed} shard file(s) of {file_bytes / 2**20:.1f} MiB{kept}), but only "
-        f"{free / 2**20:.1f} MiB are free. Give the machine more shared memory (in a container: "
-        "docker run --shm-size=...), point weightsync.shm_root at a tmpfs with room, lower "
-        "weightsync.keep_last, or push through Redis (weightsync.data_plane=redis)."
-    )
-
-
-def shard_file_bytes(numel: int, dtype: torch.dtype, tensors: int) -> int:
-    """Bytes of a shard file holding ``numel`` elements of ``dtype`` in ``tensors`` tensors, with
-    room for its safetensors header."""
-    return numel * torch.empty(0, dtype=dtype).element_size() + HEADER_SLACK + 512 * tensors
 
 
 class WeightPusher:
@@ -324,14 +275,12 @@ class WeightPusher:
             error = exc
         if not _agree(error is None, distributed):
             self._clean_up(version, rank, world, writer, out_dir)
-            if error is not None and self.data_plane == "shm" and _no_space(error):
+            if error is not None and self.data_plane == "shm" and no_space(error):
                 raise NotEnoughSharedMemory(
                     f"weight version {version}: {self.shm_root} ran out of space while this trainer rank wrote "
                     f"its shard ({free_bytes(self.shm_root) / 2**20:.1f} MiB free after removing it; the run "
-                    f"keeps weightsync.keep_last={self.keep_last} versions plus any a policy still holds). Give "
-                    "the machine more shared memory (in a container: docker run --shm-size=...), point "
-                    "weightsync.shm_root at a tmpfs with room, lower weightsync.keep_last, or push through "
-                    "Redis (weightsync.data_plane=redis)."
+                    f"keeps weightsync.keep_last={self.keep_last} versions plus any a policy still holds). "
+                    + SHM_REMEDIES
                 ) from error
             raise error or PushFailed(f"weight version {version}: another trainer rank failed to write its part")
         if rank == 0:

@@ -53,7 +53,8 @@ def check_shared_memory(cfg, model_path: str, sync_dtype: str) -> None:
         return
     from safetensors import safe_open
 
-    from weightsync.push import DTYPES, check_shm_room, free_bytes, shard_file_bytes
+    from weightsync.push import DTYPES
+    from weightsync.shm_space import check_shm_room, free_bytes, shard_file_bytes
 
     numel = tensors = 0
     for path in sorted(Path(model_path).glob("*.safetensors")):
@@ -203,8 +204,8 @@ def main(cfg) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     console = Console(soft_wrap=True)
     from checkpointing.folders import CheckpointError
-    from weightsync.push import NotEnoughSharedMemory
     from weightsync.redis_server import RedisUnavailable
+    from weightsync.shm_space import NotEnoughSharedMemory
 
     try:
         result = run(cfg, console)
