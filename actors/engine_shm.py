@@ -95,9 +95,25 @@ class EngineFileRecord:
         self.scan()
 
     def remove(self) -> int:
-        """Remove the recorded files still there, and the record; returns the bytes freed."""
+        """Remove the files seen (those still there) and the record; returns the bytes freed."""
         self._stop.set()
-        return remove_recorded(self.path)
+        with self._lock:
+            files = list(self.files)
+        self.path.unlink(missing_ok=True)
+        return _remove(files)
+
+
+def _remove(paths) -> int:
+    """Unlink those of ``paths`` that are /dev/shm files with vLLM's prefixes; bytes freed."""
+    freed = 0
+    for path in map(Path, paths):
+        if not _is_engine_file(path):
+            continue
+        with contextlib.suppress(OSError):
+            size = path.stat().st_size
+            path.unlink()
+            freed += size
+    return freed
 
 
 def remove_recorded(record: str | Path) -> int:
@@ -109,14 +125,5 @@ def remove_recorded(record: str | Path) -> int:
         names = json.loads(record.read_text())
     except (OSError, ValueError):
         return 0
-    freed = 0
-    for name in names if isinstance(names, list) else []:
-        path = Path(str(name))
-        if not _is_engine_file(path):
-            continue
-        with contextlib.suppress(OSError):
-            size = path.stat().st_size
-            path.unlink()
-            freed += size
     record.unlink(missing_ok=True)
-    return freed
+    return _remove(str(name) for name in names) if isinstance(names, list) else 0

@@ -38,10 +38,12 @@ def test_a_child_process_s_engine_files_are_found_and_recorded_but_not_other_shm
     finally:
         proc.kill()
         proc.wait()
-    # The holder died without removing its queue, as an engine killed with its parent does.
+    # The holder died without removing its queue, as an engine killed with its parent does; the
+    # run folder holding the record may be gone already: the record object still knows the files.
     assert queue.exists()
+    (tmp_path / "engine-files.json").unlink()
     assert record.remove() == 1 << 20
-    assert not queue.exists() and not (tmp_path / "engine-files.json").exists()
+    assert not queue.exists()
     assert other.exists()
     other.unlink()
 
