@@ -2,6 +2,7 @@
 
 import errno
 import json
+import os
 import random
 import subprocess
 import sys
@@ -261,6 +262,24 @@ def test_a_spare_is_the_smallest_that_fits_else_the_largest(tmp_path):
     assert claim_spare(spare, str(tmp_path / "c"), 0) and (tmp_path / "c").stat().st_size == 100
     assert not claim_spare(spare, str(tmp_path / "d"), 0)
     assert not claim_spare(tmp_path / "none", str(tmp_path / "e"), 0)
+
+
+def test_a_spare_claimed_by_another_rank_while_listing_is_skipped(tmp_path, monkeypatch):
+    """Two ranks claim at once: a file listed by one may be gone before it is looked at."""
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    for name in ("a", "b"):
+        (spare / name).write_bytes(b"x" * 10)
+    real_scandir = os.scandir
+
+    def listing_then_other_rank_claims(path):
+        entries = list(real_scandir(path))
+        (spare / "a").rename(tmp_path / "taken-by-rank-1")
+        return iter(entries)
+
+    monkeypatch.setattr("weightsync.shm_writer.os.scandir", listing_then_other_rank_claims)
+    assert claim_spare(spare, str(tmp_path / "mine"), 10)
+    assert (tmp_path / "mine").exists() and not (spare / "b").exists()
 
 
 def _read_all(store, version) -> dict[str, torch.Tensor]:

@@ -325,9 +325,15 @@ def claim_spare(spare_dir: Path, path: str, nbytes: int = 0) -> bool:
     the same one.
     """
     try:
-        spares = [(entry.stat().st_size, entry.path) for entry in os.scandir(spare_dir)]
+        entries = list(os.scandir(spare_dir))
     except FileNotFoundError:
         return False
+    spares = []
+    for entry in entries:
+        try:
+            spares.append((entry.stat().st_size, entry.path))
+        except FileNotFoundError:  # another rank claimed it since the listing
+            continue
     fitting = sorted(s for s in spares if s[0] >= nbytes)
     for _, spare in fitting + sorted((s for s in spares if s[0] < nbytes), reverse=True):
         try:
