@@ -32,13 +32,13 @@ def _rank_main(rank: int, world: int, init_file: str, model_path: str, conn) -> 
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    pushers = {}  # (redis_url, run, shm_root, dtype, data_plane) -> WeightPusher, kept across pushes
     try:
         model = load_causal_lm(model_path)
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
         conn.send(("ready", None))
-        pushers = {}  # (redis_url, run, shm_root, dtype, data_plane) -> WeightPusher
 
         def pusher_for(redis_url, run, shm_root, dtype, data_plane):
             key = (redis_url, run, shm_root, dtype, data_plane)
@@ -78,6 +78,8 @@ def _rank_main(rank: int, world: int, init_file: str, model_path: str, conn) -> 
             except Exception as e:  # report, keep serving (the driver decides)
                 conn.send(("error", f"{type(e).__name__}: {e}"))
     finally:
+        for pusher in pushers.values():
+            pusher.store.close()
         dist.destroy_process_group()
         conn.close()
 

@@ -201,7 +201,7 @@ def test_a_push_waits_for_a_background_reservation_and_delta_reserves_one(store,
 
 def test_a_failed_reservation_is_reported_and_pushes_still_work(store, shm_root, monkeypatch, caplog):
     def full(fd, offset, length):
-        raise OSError(28, "No space left on device")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("weightsync.push.os.posix_fallocate", full)
     pusher = WeightPusher(store, shm_root=shm_root, keep_last=1)

@@ -198,17 +198,18 @@ class WeightPusher:
         free = _min_over_ranks(free_bytes(self.shm_root), distributed)
         check_shm_room(self.shm_root, free, world, nbytes, self.keep_last, self.delta)
         per_file = world * nbytes  # one file per rank on this host
-        if free < count * per_file:
+        fits = free // per_file
+        if fits < count:
             log.warning(
                 "weight sync: %s has room for %d of the %d shard files per rank that a run with a lagging "
                 "policy keeps (%.1f MiB each); reserving those, a push may fail with 'No space left on "
                 "device' if the policy falls behind",
                 self.shm_root,
-                free // per_file,
+                fits,
                 count,
                 nbytes / 2**20,
             )
-            count = int(free // per_file)
+            count = fits
         if background:
             self._reserving = threading.Thread(target=self._reserve, args=(nbytes, count), daemon=True)
             self._reserving.start()
@@ -297,7 +298,7 @@ class WeightPusher:
             "push_s": time.perf_counter() - start,
             "bytes_written": writer.shard_bytes,
             "bytes_reused": writer.bytes_reused,
-            "wrote_over_spare": getattr(writer, "recycled", False),
+            "wrote_over_spare": self.data_plane == "shm" and writer.recycled,
             "dropped_versions": dropped,
         }
 

@@ -178,12 +178,11 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         """Store the shard, given as consecutive byte strings, in a recycled file if one is spare."""
         path = self.fs.concat_path(self.path, file_name)
         nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
-        recycled = claim_spare(self.spare_dir, path, nbytes) if self.spare_dir is not None else False
-        self.recycled = recycled
-        with open(path, "r+b" if recycled else "wb") as f:
+        self.recycled = self.spare_dir is not None and claim_spare(self.spare_dir, path, nbytes)
+        with open(path, "r+b" if self.recycled else "wb") as f:
             for part in parts:
                 f.write(part)
-            if recycled:
+            if self.recycled:
                 f.truncate()  # the spare may have been longer
 
     def _plan_delta(self, fqn: str, offsets: list[int], tensor: torch.Tensor, checksum: dict):
