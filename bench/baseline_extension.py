@@ -23,11 +23,22 @@ class BenchExtension(WeightSyncExtension):
     def connect_ray(self, address: str) -> int:
         """Join the benchmark's Ray cluster (once per engine, outside the timings)."""
         import os
+        import random
 
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
+            # Ray names a driver's GCS subscriptions from Python's ``random``, and vLLM seeds
+            # ``random`` alike in every worker: two TP workers then share one subscriber, their
+            # long polls keep displacing each other (~800 requests a second), and the GCS burned
+            # ~60% of a core, each worker ~20%, for as long as they stayed connected (so during
+            # every measured push and update). Seed from the OS for the connection only.
+            state = random.getstate()
+            random.seed()
+            try:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
+            finally:
+                random.setstate(state)
         return os.getpid()
 
     def _loadable_parameters(self) -> None:
