@@ -41,6 +41,13 @@ class BenchExtension(WeightSyncExtension):
                 random.setstate(state)
         return os.getpid()
 
+    def copy_bandwidth(self) -> float:
+        """Bytes per second of a copy into a warm buffer with this worker's threads (called on
+        every TP worker at once, so that they share the memory bandwidth as in an update)."""
+        from bench.weightsync import memcpy_bandwidth
+
+        return memcpy_bandwidth()
+
     def _loadable_parameters(self) -> None:
         """Give every freed (repacked) linear weight a dense buffer that ``load_weights`` accepts."""
         from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED

