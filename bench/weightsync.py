@@ -639,15 +639,15 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
 
 
 def _timing_row(
-    size, model_bytes, dtype_name, ranks, tp, measured, bandwidth, ray_s, redis_s, base_a, gather_s
+    size, model_bytes, dtype_name, ranks, tp, measured, bandwidths, ray_s, redis_s, base_a, gather_s
 ) -> dict:
     """The columns every row has: our push and update from ``ranks`` trainer ranks, the memcpy
     floor, and the baselines; baselines (a) and (b) include the FSDP gather onto rank 0 (``gather_s``).
-    ``bandwidth``: (this process's copy bandwidth, each TP worker's, measured all at once)."""
+    ``bandwidths``: (this process's copy bandwidth, each TP worker's, measured all at once)."""
     pushes, updates, per_worker, rss_growth, repacks = measured
     push = statistics.median(pushes[WARMUP_VERSIONS:])
     update = statistics.median(updates[WARMUP_VERSIONS:])
-    driver_bw, worker_bw = bandwidth
+    driver_bw, worker_bw = bandwidths
     floor = max(nbytes / bw for nbytes, bw in zip(per_worker, worker_bw))
     base_a = {
         **base_a,
@@ -684,10 +684,10 @@ def _timing_row(
 
 
 def _rows_ranks2(
-    size, tp, model_bytes, dtype_name, measured, bandwidth, ray_s, redis_s, base_a, gather_s
+    size, tp, model_bytes, dtype_name, measured, bandwidths, ray_s, redis_s, base_a, gather_s
 ) -> list[dict]:
     """The two-rank (FSDP2) row. Columns measured only with one rank (Redis plane, verify off) are None."""
-    row = _timing_row(size, model_bytes, dtype_name, 2, tp, measured, bandwidth, ray_s, redis_s, base_a, gather_s)
+    row = _timing_row(size, model_bytes, dtype_name, 2, tp, measured, bandwidths, ray_s, redis_s, base_a, gather_s)
     one_rank_only = (
         "checksum_s_per_gib",
         "update_noverify_s",
