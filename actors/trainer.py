@@ -64,6 +64,7 @@ class TrainerRank:
         checksums: bool = True,
         delta: bool = False,
         delta_max_live: float = 2.0,
+        delta_elements: bool = False,
     ) -> None:
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
@@ -93,6 +94,7 @@ class TrainerRank:
             checksums=checksums,
             delta=delta,
             delta_max_live=delta_max_live,
+            delta_elements=delta_elements,
         )
         self.pending_save = None
 

@@ -77,6 +77,7 @@ def test_wrong_type_names_the_key():
         ("trainer.lr_schedule=step", "trainer.lr_schedule"),
         ("trainer.ranks=0", "trainer.ranks"),
         ("weightsync.delta_max_live=0.5", "weightsync.delta_max_live"),
+        ("weightsync.delta_elements=true", "weightsync.delta_elements"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(override, key):

@@ -210,3 +210,51 @@ def test_delta_versions_update_only_what_changed_and_match_the_trainer(
     update = ray_session.get(policy_tp2.update_weights.remote(restore))
     assert update["bytes_skipped_per_worker"] == [0, 0]
     assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), before) < TOL
+
+
+def test_element_patches_update_tp2_workers_and_match_the_trainer(
+    policy_tp2, ray_session, redis_url, tiny_model_path, shm_root
+):
+    """A bfloat16 policy copy with element patches into TP=2: versions that change 1% of the
+    elements of every weight are pushed as patches, each worker reads only the patches, and vLLM
+    matches the trainer's model at the bf16-rounded weights after every version."""
+    store = WeightStore(redis_url, "test-sync-tp2")
+    before = _vllm_logprobs(ray_session, policy_tp2)
+    model = perturbed_model(tiny_model_path, seed=41)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+
+    def rounded_logprobs():
+        copy = perturbed_model(tiny_model_path, seed=41, scale=0.0)
+        with torch.no_grad():
+            for p, q in zip(copy.parameters(), model.parameters()):
+                p.copy_(q.to(torch.bfloat16).float())
+        return _hf_logprobs(copy)
+
+    pusher = WeightPusher(store, shm_root=shm_root, dtype="bfloat16", delta=True, delta_elements=True)
+    pusher.push(model.state_dict(), first := next(VERSIONS))
+    full = ray_session.get(policy_tp2.update_weights.remote(first))
+    assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), rounded_logprobs()) < TOL
+
+    g = torch.Generator().manual_seed(41)
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p[torch.rand(p.shape, generator=g) < 0.01] *= -3.0
+        expected = rounded_logprobs()
+        assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), expected) > 100 * TOL  # the edit alone
+        stats = pusher.push(model.state_dict(), version := next(VERSIONS))
+        kinds = {c.location["kind"] for e in store.index(version).values() for c in e.chunks}
+        assert kinds == {"shm", "patch"}
+        assert stats["bytes_written"] < 0.1 * model_bytes / 2  # the bf16 copy is model_bytes / 2
+        update = ray_session.get(policy_tp2.update_weights.remote(version))
+        assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), expected) < TOL
+        for read, skipped, read_before in zip(
+            update["bytes_read_per_worker"], update["bytes_skipped_per_worker"], full["bytes_read_per_worker"]
+        ):
+            assert read < 0.2 * read_before  # the patches only
+            assert skipped > 0.4 * model_bytes
+
+    restore = next(VERSIONS)  # leave the shared engine as the session found it
+    WeightPusher(store, shm_root=shm_root).push(load_causal_lm(tiny_model_path).state_dict(), restore)
+    ray_session.get(policy_tp2.update_weights.remote(restore))
+    assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), before) < TOL

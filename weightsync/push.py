@@ -18,6 +18,7 @@ import shutil
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -136,6 +137,13 @@ class WeightPusher:
     points the unchanged rows at the storage of the versions that wrote them, and the store's use
     counts keep that storage until no committed version points into it. ``delta_max_live``
     bounds what reuse may keep alive (see ``ShmSafetensorsWriter``).
+
+    Element patches (``delta_elements=True``, with ``delta``): a chunk may instead be stored as
+    the pieces of its last whole (or row-block) version plus the elements that changed since
+    (``weightsync.patch``): what saves bytes for a bf16/fp16 policy, where one step changes a
+    few percent of the elements but nearly every row block. Costs this rank a copy of its shard
+    at the push dtype in CPU memory (the base values it compares with), and a comparison of
+    every element per push.
     """
 
     def __init__(
@@ -149,6 +157,7 @@ class WeightPusher:
         checksums: bool = True,
         delta: bool = False,
         delta_max_live: float = 2.0,
+        delta_elements: bool = False,
     ) -> None:
         """``data_plane``: "shm" (shard files in ``shm_root``, same host) or "redis" (shard bytes
         as Redis values, any host). ``checksums=False`` skips the tile checksums (then readers
@@ -161,6 +170,8 @@ class WeightPusher:
             raise ValueError(f"weight sync data_plane {data_plane!r} is not supported; allowed: {list(DATA_PLANES)}")
         if delta and not checksums:
             raise ValueError("delta sync finds the changed chunks by their checksums: it needs checksums=True")
+        if delta_elements and not delta:
+            raise ValueError("delta_elements=True patches delta sync's versions: it needs delta=True")
         if delta_max_live < 1:
             raise ValueError(f"delta_max_live={delta_max_live} must be >= 1 (1: one shard's bytes)")
         self.store = store
@@ -171,6 +182,7 @@ class WeightPusher:
         self.checksums = checksums
         self.delta = delta
         self.delta_max_live = delta_max_live
+        self.delta_elements = delta_elements
         self._base: dict[str, BaseChunk] | None = None  # this rank's last committed chunks
         self._unit_bytes: dict[str, int] = {}  # bytes of this rank's units the base points into
         self._world = 1  # trainer ranks (set by push)
@@ -277,7 +289,12 @@ class WeightPusher:
         self._world = world
         start = time.perf_counter()
         self._wait_reserved()  # counted in push_s: a reservation still running delays the push
-        delta = {"base": self._base, "unit_bytes": self._unit_bytes, "max_live": self.delta_max_live}
+        delta = {
+            "base": self._base,
+            "unit_bytes": self._unit_bytes,
+            "max_live": self.delta_max_live,
+            "elements": self.delta_elements,
+        }
         if not self.delta:
             delta["base"] = None
         if self.data_plane == "redis":
@@ -332,12 +349,17 @@ class WeightPusher:
         """Keep what this rank committed, as the base of the next delta push."""
         if not self.delta:
             return
-        self._base = {
-            fqn: BaseChunk(offsets, sizes, dtype, writer.chunk_checksums[fqn], writer.chunks[fqn])
-            for fqn, (offsets, sizes, dtype) in writer.layouts.items()
-        }
+        base = {}
+        for fqn, (offsets, sizes, dtype) in writer.layouts.items():
+            if fqn in writer.on_base:  # stays on its base, with this patch (None: equal to it)
+                base[fqn] = replace(self._base[fqn], patch=writer.on_base[fqn])
+            else:
+                checksum = writer.chunk_checksums[fqn]
+                base[fqn] = BaseChunk(offsets, sizes, dtype, checksum, writer.chunks[fqn], writer.base_values.get(fqn))
+        self._base = base
         self._unit_bytes[unit] = writer.shard_bytes
         used = {p.location.get("unit") for b in self._base.values() for p in b.pieces}
+        used |= {b.patch.piece.location["unit"] for b in self._base.values() if b.patch is not None}
         self._unit_bytes = {u: n for u, n in self._unit_bytes.items() if u in used}
 
     def retire(self) -> list[int]:

@@ -5,6 +5,11 @@ from where the chunk is stored: its shard file in shared memory (mmapped; only t
 are read) or its Redis values (exact ``GETRANGE`` byte ranges into a reused buffer, see
 ``weightsync.redis_data``), and copied into the destination view. Nothing is unpickled.
 
+Element patches (delta sync with ``delta_elements``, see ``weightsync.patch``): a chunk stored
+as its base's pieces plus a patch is read as the pieces, then the patch's elements inside the
+box written over them; ``update_box`` reads only the patch when the destination already holds an
+earlier version on the same base.
+
 Integrity (``verify``, on by default): a chunk's tile checksums (``weightsync.checksum``) are
 checked for every tile the overlap touches before any of its bytes are copied; the rest of a
 tile the overlap covers in part is read too, and counted in the bytes read. A mismatch raises
@@ -24,6 +29,7 @@ import torch
 
 from weightsync.checksum import ChecksumMismatch, Grid, matrix_shape, region_hashes
 from weightsync.layout import Box
+from weightsync.patch import scatter_into_box
 from weightsync.redis_data import RawRedis, piece_ranges, tensor_view
 from weightsync.store import Chunk, TensorEntry
 
@@ -274,6 +280,58 @@ def covering(entry: TensorEntry, box: Box) -> list[Chunk]:
     return [chunk for chunk in entry.chunks if _overlap(box, chunk) is not None]
 
 
+def _is_patch(chunk: Chunk) -> bool:
+    return chunk.location.get("kind") == "patch"
+
+
+def _apply_patch(fqn: str, chunk: Chunk, dtype: torch.dtype, box: Box, dst: torch.Tensor, source: ChunkSource) -> int:
+    """Read a chunk's element patch (whole, verified) and write its elements inside ``box``
+    into ``dst``. Returns the bytes read."""
+    loc = chunk.location
+    count = int(loc["count"])
+    parts = {}
+    nbytes = 0
+    for key, part_dtype in (("indices", getattr(torch, loc["indices"]["dtype"])), ("values", dtype)):
+        stored = Chunk([0], [count], loc[key]["location"], loc[key].get("checksum"))
+        parts[key] = torch.empty(count, dtype=part_dtype)
+        nbytes += _read_part(f"{fqn} (patch {key})", 0, stored, ((0, count),), part_dtype, parts[key], source)
+    if count and (int(parts["indices"].min()) < 0 or int(parts["indices"].max()) >= math.prod(chunk.sizes)):
+        raise ValueError(f"{fqn}: the element patch of chunk at {chunk.offsets} indexes outside it")
+    scatter_into_box(parts["indices"], parts["values"], chunk.offsets, chunk.sizes, box, dst)
+    return nbytes
+
+
+def update_box(
+    fqn: str, entry: TensorEntry, previous: TensorEntry | None, box: Box, dst: torch.Tensor, source: ChunkSource
+) -> tuple[int, int]:
+    """Bring ``dst`` (holding ``box`` of ``previous``'s values, or anything when ``previous`` is
+    None) to ``entry``'s values there. Returns (bytes read, bytes of ``box`` not read again).
+
+    Equal covering pieces: nothing to do. Same base pieces and only newer element patches (their
+    ``step`` since the base no smaller than ``previous``'s): only the patches are read and
+    written over ``dst`` (``weightsync.patch`` says why that is exact). Otherwise all of
+    ``box`` is read.
+    """
+    box_bytes = math.prod(hi - lo for lo, hi in box) * dst.element_size()
+    now = covering(entry, box)
+    if previous is not None:
+        before = covering(previous, box)
+        if before == now:
+            return 0, box_bytes
+        patches = [c for c in now if _is_patch(c)]
+        steps_now = {tuple(c.offsets): c.location["step"] for c in patches}
+        steps_before = {tuple(c.offsets): c.location["step"] for c in before if _is_patch(c)}
+        if (
+            patches
+            and [c for c in now if not _is_patch(c)] == [c for c in before if not _is_patch(c)]
+            and all(k in steps_now and step <= steps_now[k] for k, step in steps_before.items())
+        ):
+            dtype = getattr(torch, entry.dtype)
+            nbytes = sum(_apply_patch(fqn, c, dtype, box, dst, source) for c in patches if c not in before)
+            return nbytes, box_bytes
+    return read_box(fqn, entry, box, dst, source), 0
+
+
 def read_box(fqn: str, entry: TensorEntry, box: Box, dst: torch.Tensor, source: ChunkSource) -> int:
     """Copy ``box`` of the stored global tensor ``fqn`` into ``dst`` (shaped like the box).
 
@@ -287,7 +345,7 @@ def read_box(fqn: str, entry: TensorEntry, box: Box, dst: torch.Tensor, source: 
     nbytes = 0
     for index, chunk in enumerate(entry.chunks):
         part = _overlap(box, chunk)
-        if part is None:
+        if part is None or _is_patch(chunk):
             continue
         local = tuple((lo - off, hi - off) for (lo, hi), off in zip(part, chunk.offsets))
         dst_idx = tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(part, box))
@@ -296,4 +354,7 @@ def read_box(fqn: str, entry: TensorEntry, box: Box, dst: torch.Tensor, source: 
     expected = math.prod(hi - lo for lo, hi in box)
     if covered != expected:
         raise RuntimeError(f"{fqn}: stored chunks cover {covered} of the {expected} wanted elements of box {box}")
+    for chunk in entry.chunks:  # element patches go over the base pieces they patch
+        if _is_patch(chunk) and _overlap(box, chunk) is not None:
+            nbytes += _apply_patch(fqn, chunk, dtype, box, dst, source)
     return nbytes

@@ -24,6 +24,12 @@ cut to those rows, which point into older versions' storage. Such a shard is a v
 file, but only the version's index says how its pieces make up the tensors. If the reused pieces
 would keep more than ``max_live`` times the rank's whole shard alive (counting each older unit
 whole, as it is freed only whole), the writer writes every chunk whole instead.
+
+Element patches (``elements=True``, see ``weightsync.patch``): a chunk whose base values the
+rank kept may instead be stored as its base's pieces plus a patch, two 1-D tensors named
+``{fqn}#patch-indices`` and ``{fqn}#patch-values`` in the shard, when that is smaller than its
+changed row blocks. The index piece of a patch has ``location["kind"] == "patch"`` and covers the
+whole chunk; its indices and values carry their own locations and checksums.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import os
 import struct
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +51,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from weightsync.checksum import changed_row_blocks, chunk_checksums, row_block_slice
+from weightsync.patch import (
+    PatchState,
+    bits,
+    changed_elements,
+    index_dtype,
+    patch_bytes,
+    union,
+    worth_patching,
+)
 from weightsync.store import Chunk
 
 DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"  # header keys DCP's Hugging Face writer and reader use
@@ -82,6 +97,17 @@ class BaseChunk:
     dtype: torch.dtype
     checksum: dict
     pieces: list[Chunk]
+    values: torch.Tensor | None = None  # the base's values, flat (kept for element patches)
+    patch: PatchState | None = None  # the patch committed on top of it, if any
+
+
+@dataclass(frozen=True)
+class _PatchPlan:
+    """A chunk that stays on its base: ``state`` is its patch (None: it equals its base);
+    ``write``: the patch is new (else the last committed patch piece is reused)."""
+
+    state: PatchState | None
+    write: bool
 
 
 def _rows(sizes: list[int]) -> int:
@@ -142,6 +168,7 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         unit_bytes: dict[str, int] | None = None,
         max_live: float = 2.0,
         spare_dir: Path | None = None,
+        elements: bool = False,
     ) -> None:
         super().__init__(path=path, save_distributed=True)
         self.spare_dir = spare_dir  # freed shard files to write into (see ``claim_spare``)
@@ -152,6 +179,9 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         self.base = base
         self.unit_bytes = unit_bytes or {}
         self.max_live = max_live
+        self.elements = elements  # element patches (see weightsync.patch)
+        self.on_base: dict[str, PatchState | None] = {}  # chunks that stayed on their base: patch
+        self.base_values: dict[str, torch.Tensor] = {}  # copies of chunks written as new bases
         self.chunks: dict[str, list[Chunk]] = {}  # index pieces per fqn
         self.chunk_checksums: dict[str, dict] = {}  # tile checksums of each whole chunk
         self.layouts: dict[str, tuple[list[int], list[int], torch.dtype]] = {}  # offsets, sizes, dtype
@@ -204,6 +234,54 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
                     reused.append(_cut_piece(piece, offsets, a, b, elem) if len(tensor.shape) >= 2 else piece)
         return writes, reused
 
+    def _plan_patch(self, fqn: str, tensor: torch.Tensor, rows: list[tuple[int, int]]) -> _PatchPlan | None:
+        """Keep the chunk on its base with an element patch, or None (write ``rows`` instead)."""
+        base = self.base.get(fqn) if self.base else None
+        if base is None or base.values is None or base.values.dtype != tensor.dtype:
+            return None
+        if base.values.numel() != tensor.numel() or base.sizes != list(tensor.shape):
+            return None
+        flat = tensor.view(-1)
+        previous = base.patch
+        indices = changed_elements(flat, base.values)
+        if previous is not None:
+            indices = union(previous.indices, indices)
+        if indices.numel() == 0:
+            return _PatchPlan(None, write=False)
+        values = flat[indices]
+        if (
+            previous is not None
+            and torch.equal(previous.indices, indices)
+            and torch.equal(bits(previous.values), bits(values))
+        ):
+            return _PatchPlan(previous, write=False)
+        nbytes = patch_bytes(indices.numel(), flat.numel(), tensor.element_size())
+        cost, steps = (previous.cost, previous.steps) if previous else (flat.numel() * tensor.element_size(), 1)
+        if not worth_patching(nbytes, _rows_bytes(tensor, rows), cost, steps):
+            return None
+        return _PatchPlan(PatchState(indices, values, None, cost + nbytes, steps + 1), write=True)
+
+    def _patch_piece(self, fqn: str, state: PatchState, stored: list, data_start: int) -> Chunk:
+        """The index piece of a chunk's patch, written as ``stored`` (name, tensor, offset twice)."""
+        offsets, sizes, _ = self.layouts[fqn]
+        parts = {}
+        for key, (name, tensor, offset) in zip(("indices", "values"), (stored[:3], stored[3:])):
+            parts[key] = {
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "location": self.location(name, data_start + offset),
+            }
+            if self.checksums:
+                parts[key]["checksum"] = chunk_checksums(tensor)
+        location = {
+            "kind": "patch",
+            "unit": self.unit,
+            "push": self.push_id,
+            "step": state.steps,
+            "count": state.values.numel(),
+            **parts,
+        }
+        return Chunk(list(offsets), list(sizes), location, None)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future: Future = Future()
         if not plan.items:
@@ -221,19 +299,41 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
             tensor = tensor.detach().contiguous()
             items.append((item, list(item.tensor_data.chunk.offsets), tensor))
             self.layouts[item.index.fqn] = (items[-1][1], list(tensor.shape), tensor.dtype)
-        # Which rows of each chunk to write, and which pieces of the base describe the rest.
+        # Which rows of each chunk to write, and which pieces of the base describe the rest;
+        # with element patches, which chunks stay on their base.
         plans = {item.index.fqn: ([(0, _rows(list(t.shape)))], []) for item, _, t in items}
+        patches: dict[str, _PatchPlan] = {}
         if self.base is not None:
             self.chunk_checksums = {item.index.fqn: chunk_checksums(t) for item, _, t in items}
             delta = {
                 item.index.fqn: self._plan_delta(item.index.fqn, off, t, self.chunk_checksums[item.index.fqn])
                 for item, off, t in items
             }
+            if self.elements:
+                for item, _, t in items:
+                    fqn = item.index.fqn
+                    patch = self._plan_patch(fqn, t, delta[fqn][0])
+                    if patch is not None:
+                        patches[fqn] = patch
+                        kept = [] if patch.state is None or patch.write else [patch.state.piece]
+                        delta[fqn] = ([], [*self.base[fqn].pieces, *kept])
             total = sum(t.numel() * t.element_size() for _, _, t in items)
             new = sum(_rows_bytes(t, runs) for (_, _, t), (runs, _) in zip(items, delta.values()))
+            new += sum(
+                patch_bytes(p.state.indices.numel(), t.numel(), t.element_size())
+                for item, _, t in items
+                if (p := patches.get(item.index.fqn)) is not None and p.write
+            )
             units = {p.location.get("unit") for _, reused in delta.values() for p in reused}
             if new + sum(self.unit_bytes.get(u, total) for u in units) <= self.max_live * total:
                 plans = delta
+            else:
+                patches = {}
+        self.on_base = {fqn: p.state for fqn, p in patches.items()}
+        if self.elements:  # the values of every chunk written as a new base, for later patches
+            self.base_values = {
+                item.index.fqn: t.reshape(-1).clone() for item, _, t in items if item.index.fqn not in patches
+            }
         # The shard: every run to write, as a tensor of its own.
         header: dict[str, dict] = {}
         sharding: dict[str, dict] = {}
@@ -254,6 +354,25 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
                 sharding[name] = {"saved_offsets": list(offsets) if is_whole else [offsets[0] + r0, *offsets[1:]]}
                 runs.append((item, offsets, tensor, name, (r0, r1), part, offset))
                 offset += nbytes
+        patch_runs = []  # (fqn, indices name, indices, offset, values name, values, offset)
+        for fqn, patch in patches.items():
+            if not patch.write:
+                continue
+            numel = patch.state.values.numel()
+            stored = []
+            for name, t in (
+                (f"{fqn}#patch-indices", patch.state.indices.to(index_dtype(math.prod(self.layouts[fqn][1])))),
+                (f"{fqn}#patch-values", patch.state.values),
+            ):
+                nbytes = numel * t.element_size()
+                header[name] = {
+                    "dtype": SAFETENSORS_DTYPES[t.dtype],
+                    "shape": [numel],
+                    "data_offsets": [offset, offset + nbytes],
+                }
+                stored += [name, t, offset]
+                offset += nbytes
+            patch_runs.append((fqn, *stored))
         header["__metadata__"] = {
             DCP_SHARDING_INFO_KEY: json.dumps(sharding),
             DCP_VERSION_KEY: HF_DCP_VERSION,
@@ -264,17 +383,21 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         data_start = 8 + len(raw)
         parts: list[memoryview | bytes] = [struct.pack("<Q", len(raw)), raw]
         parts += [_tensor_bytes(part) for *_, part, _ in runs if part.numel()]
+        for _, _, indices, _, _, values, _ in patch_runs:
+            parts += [_tensor_bytes(indices), _tensor_bytes(values)]
+        written = bool(runs or patch_runs)
         # The shard goes out on a thread (file writes and socket sends release the GIL) while
         # this one computes the checksums of the same, unchanging tensors. Nothing changed:
         # no shard at all.
         with ThreadPoolExecutor(1) as pool:
-            emitted = pool.submit(self._emit, file_name, parts) if runs else None
+            emitted = pool.submit(self._emit, file_name, parts) if written else None
             for item, _, tensor in items:
                 fqn = item.index.fqn
                 if self.checksums and fqn not in self.chunk_checksums:
                     self.chunk_checksums[fqn] = chunk_checksums(tensor)
                 reused = plans[fqn][1]
-                self.bytes_reused += sum(math.prod(p.sizes) for p in reused) * tensor.element_size()
+                stored = [p for p in reused if p.location.get("kind") != "patch"]
+                self.bytes_reused += sum(math.prod(p.sizes) for p in stored) * tensor.element_size()
                 self.chunks[fqn] = list(reused)
             for item, offsets, tensor, name, (r0, r1), part, part_offset in runs:
                 checksum = self.chunk_checksums.get(item.index.fqn)
@@ -289,9 +412,12 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
                 )
             for pieces in self.chunks.values():
                 pieces.sort(key=lambda c: c.offsets[:1])
+            for fqn, *stored in patch_runs:
+                self.chunks[fqn].append(self._patch_piece(fqn, patches[fqn].state, stored, data_start))
+                self.on_base[fqn] = replace(patches[fqn].state, piece=self.chunks[fqn][-1])
             if emitted is not None:
                 emitted.result()
-        self.shard_bytes = data_start + offset if runs else 0
+        self.shard_bytes = data_start + offset if written else 0
         # DCP's write results; a chunk written in pieces points at its first written run (the
         # version's index, not DCP's metadata, says where all of a chunk's rows are).
         first_run: dict[str, tuple[int, int]] = {}

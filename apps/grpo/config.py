@@ -98,6 +98,7 @@ class WeightSyncConfig:
     verify: bool = MISSING
     delta: bool = MISSING
     delta_max_live: float = MISSING
+    delta_elements: bool = MISSING
 
 
 @dataclass
@@ -230,6 +231,11 @@ def validate(cfg) -> None:
             "false when weightsync.checksums=false (delta sync finds changed chunks by their checksums)",
         ),
         (cfg.weightsync.delta_max_live >= 1, "weightsync.delta_max_live", "a number >= 1"),
+        (
+            cfg.weightsync.delta or not cfg.weightsync.delta_elements,
+            "weightsync.delta_elements",
+            "false unless weightsync.delta=true (element patches are a form of delta sync)",
+        ),
         (cfg.checkpoint.every >= 0, "checkpoint.every", "an integer >= 0 (0: no checkpoints)"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "an integer >= 1"),
         (bool(str(cfg.run_name).strip()) and "/" not in str(cfg.run_name), "run_name", "a non-empty name without '/'"),

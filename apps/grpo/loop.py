@@ -81,6 +81,7 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         checksums=cfg.weightsync.checksums,
         delta=cfg.weightsync.delta,
         delta_max_live=cfg.weightsync.delta_max_live,
+        delta_elements=cfg.weightsync.delta_elements,
     )
     reference = Reference.remote(model_path, cfg.trainer.torch_threads) if cfg.algo.kl_coef > 0 else None
     actors = Actors(
