@@ -36,7 +36,11 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
   bytes pushed and reused per step, push and update times after three warm-up deltas (``D ...``
   columns, through vLLM, checked by prompt logprobs against a whole push of the same weights). And the same steps on
   every weight with a bfloat16 policy copy (push only): the share of row blocks and of single
-  elements that stay equal (``bf16 D saved`` / ``bf16 same elems``);
+  elements that stay equal (``bf16 D saved`` / ``bf16 same elems``); and the same bf16 steps with
+  element patches (``delta_elements=True``) through vLLM, ``PATCH_STEPS`` versions: the share of
+  bytes not written over all of them (``P saved``, new bases included), median push and update
+  times and bytes read per worker, against a whole bf16 push and update of the last weights
+  (one each), whose prompt logprobs they must equal (``P lp diff``);
 - the Redis data plane (``data_plane="redis"``): push + vLLM update through it (steady state,
   ``R x base b``: baseline (b) over them), and, for the transport-only comparison with redis-py,
   push + verified read of every tensor into warm
@@ -81,7 +85,15 @@ DELTA_COLUMNS = (
     "delta_logprob_maxdiff_vs_whole",
     "delta_bf16_saved_fraction",
     "delta_bf16_same_elements",
+    "patch_bf16_saved_fraction",
+    "patch_push_s",
+    "patch_update_s",
+    "patch_update_read_fraction",
+    "patch_whole_push_s",
+    "patch_whole_update_s",
+    "patch_logprob_maxdiff_vs_whole",
 )
+PATCH_STEPS = 8  # two cycles of patches and a new base at ~4% of the elements changing per step
 WARMUP_VERSIONS = 2
 DELTA_WARMUP_VERSIONS = 3
 RESULTS = Path(__file__).resolve().parent / "results" / "weightsync.json"
@@ -460,6 +472,55 @@ def delta_bf16_dense(state_dict, redis_url, shm_root, run, steps) -> dict:
     return {"delta_bf16_saved_fraction": statistics.median(saved), "delta_bf16_same_elements": statistics.median(same)}
 
 
+def delta_bf16_patches(llm, state_dict, redis_url, shm_root, run, vocab) -> dict:
+    """The bf16 scenario with element patches, through vLLM (see the docstring)."""
+    from weightsync.push import WeightPusher
+    from weightsync.store import WeightStore
+
+    store = WeightStore(redis_url, run)
+    pusher = WeightPusher(store, shm_root, dtype="bfloat16", keep_last=1, delta=True, delta_elements=True)
+    master = {k: v.float().clone() for k, v in state_dict.items()}
+    bf16_bytes = sum(t.numel() * 2 for t in master.values())
+    g = torch.Generator().manual_seed(2)
+    pushes, updates, written, read = [], [], [], []
+    try:
+        for version in range(1, PATCH_STEPS + 2):
+            if version > 1:
+                _adam_like_step(master, list(master), g)
+            stats = pusher.push(master, version)
+            store.lease(version, "bench")
+            t = time.perf_counter()
+            upd = llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
+            if version > 1:
+                updates.append(time.perf_counter() - t)
+                pushes.append(stats["push_s"])
+                written.append(stats["bytes_written"])
+                read.append(max(s["bytes_read"] for s in upd))
+        lp_patch = prompt_logprobs(llm, vocab)
+        check = WeightStore(redis_url, f"{run}-whole")
+        whole = WeightPusher(check, shm_root, dtype="bfloat16", keep_last=1)
+        whole_push = whole.push(master, 1)["push_s"]
+        check.lease(1, "bench")
+        t = time.perf_counter()
+        llm.collective_rpc("update_weights_from_store", args=(redis_url, check.run, 1))
+        whole_update = time.perf_counter() - t
+        lp_whole = prompt_logprobs(llm, vocab)
+        whole.remove_all()
+        check.close()
+    finally:
+        pusher.remove_all()
+        store.close()
+    return {
+        "patch_bf16_saved_fraction": 1 - sum(written) / (len(written) * bf16_bytes),
+        "patch_push_s": statistics.median(pushes),
+        "patch_update_s": statistics.median(updates),
+        "patch_update_read_fraction": statistics.median(read) / bf16_bytes,
+        "patch_whole_push_s": whole_push,
+        "patch_whole_update_s": whole_update,
+        "patch_logprob_maxdiff_vs_whole": (lp_patch - lp_whole).abs().max().item(),
+    }
+
+
 def bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, root) -> list[dict]:
     from contextlib import ExitStack
 
@@ -607,6 +668,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         layers = SIZES[size][1]
         delta = delta_sync(llm, state_dict, redis_url, shm_root, f"{run}-delta", dtype_name, layers, vocab, repeats)
         delta.update(delta_bf16_dense(state_dict, redis_url, shm_root, f"{run}-delta-bf16", repeats))
+        delta.update(delta_bf16_patches(llm, state_dict, redis_url, shm_root, f"{run}-patch-bf16", vocab))
         rows.append(
             {
                 **_timing_row(
@@ -747,6 +809,12 @@ def print_table(rows: list[dict]) -> None:
         "D lp diff",
         "bf16 D saved",
         "bf16 same elems",
+        "P saved",
+        "P push s",
+        "P upd s",
+        "P upd read",
+        "P whole push/upd s",
+        "P lp diff",
     ]:
         table.add_column(col, justify="right")
 
@@ -792,6 +860,14 @@ def print_table(rows: list[dict]) -> None:
             f(r["delta_logprob_maxdiff_vs_whole"], ".1e"),
             f(r["delta_bf16_saved_fraction"], ".3f"),
             f(r["delta_bf16_same_elements"], ".3f"),
+            f(r["patch_bf16_saved_fraction"], ".3f"),
+            f(r["patch_push_s"], ".3f"),
+            f(r["patch_update_s"], ".3f"),
+            f(r["patch_update_read_fraction"], ".3f"),
+            "-"
+            if r["patch_whole_push_s"] is None
+            else f"{r['patch_whole_push_s']:.3f} / {r['patch_whole_update_s']:.3f}",
+            f(r["patch_logprob_maxdiff_vs_whole"], ".1e"),
         )
     Console(width=300).print(table)
 

@@ -184,6 +184,13 @@ def test_scatter_into_box_matches_indexing_the_full_tensor():
         region[indices.long()] = values
         patched[tuple(slice(lo, hi) for lo, hi in chunk)] = region.view(sizes)
         box = random_box(shape, rng)
-        dst = full[tuple(slice(lo, hi) for lo, hi in box)].clone()
+        cut = tuple(slice(lo, hi) for lo, hi in box)
+        dst = full[cut].clone()
         scatter_into_box(indices, values, offsets, sizes, box, dst)
-        assert torch.equal(dst, patched[tuple(slice(lo, hi) for lo, hi in box)])
+        assert torch.equal(dst, patched[cut])
+        # Into a strided view of a bigger tensor: the view gets the patch, nothing else changes.
+        holder = torch.zeros([n + 3 for n in shape])
+        scatter_into_box(indices, values, offsets, sizes, box, holder[cut])
+        expected = torch.zeros_like(holder)
+        expected[cut] = patched[cut]
+        assert torch.equal(holder, expected)

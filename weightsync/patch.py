@@ -24,6 +24,7 @@ base every 4 versions, 0.43 of the chunk's bytes per version against 1.0).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,18 +51,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
 
-def changed_elements(values: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """Sorted flat indices (int64) where the 1-D ``values`` differ bitwise from ``base``."""
-    return (bits(values) != bits(base)).nonzero().view(-1)
-
-
-def union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Sorted union of two sorted index tensors."""
-    if b.numel() == 0:
-        return a
-    if a.numel() == 0:
-        return b
-    return torch.unique(torch.cat([a, b]), sorted=True)
+def changed_since_base(values: torch.Tensor, base: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """Sorted flat indices (int64) where the 1-D ``values`` differ bitwise from ``base``, joined
+    with the ``previous`` patch's indices (the union since the base)."""
+    changed = bits(values) != bits(base)
+    if previous is not None and previous.numel():
+        changed[previous] = True
+    return changed.nonzero().view(-1)
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -89,24 +85,51 @@ def scatter_into_box(
     dst: torch.Tensor,
 ) -> int:
     """Write the patch elements that fall inside ``box`` (global coordinates) into ``dst`` (shaped
-    like the box). ``indices`` are flat in the chunk at ``chunk_offsets`` of size ``chunk_sizes``.
-    Returns the number of elements written."""
+    like the box, any strides). ``indices`` are sorted flat indices into the chunk at
+    ``chunk_offsets`` of size ``chunk_sizes``. Returns the number of elements written.
+
+    The chunk's rows inside the box are one range of flat indices, found by binary search; where
+    the box also spans the chunk's other dimensions whole and ``dst`` is contiguous, that range
+    maps to ``dst`` by one shift. Otherwise the indices are unravelled and filtered per dimension.
+    Elements land by memory offset in ``dst``'s storage (a 1-D index, not an N-D one).
+    """
     if not chunk_sizes:  # a 0-d tensor: one element
         if indices.numel():
             dst.copy_(values[-1].view(()))
         return int(indices.numel() > 0)
-    flat = indices.to(torch.int64)
-    coords = []
-    for size in reversed(chunk_sizes):
-        coords.append(flat % size)
-        flat = flat // size
-    coords.reverse()
-    keep = torch.ones(indices.numel(), dtype=torch.bool)
-    shifted = []
-    for c, off, (lo, hi) in zip(coords, chunk_offsets, box):
-        local = c + (off - lo)
-        keep &= (local >= 0) & (local < hi - lo)
-        shifted.append(local)
-    where = tuple(s[keep] for s in shifted)
-    dst.index_put_(where, values[keep].to(dst.dtype))
-    return int(where[0].numel())
+    row = math.prod(chunk_sizes[1:])
+    first = max(box[0][0] - chunk_offsets[0], 0)
+    stop = min(box[0][1] - chunk_offsets[0], chunk_sizes[0])
+    if first >= stop or indices.numel() == 0 or dst.numel() == 0:
+        return 0
+    bounds = torch.tensor([first * row, stop * row], dtype=indices.dtype)
+    lo, hi = torch.searchsorted(indices, bounds).tolist()
+    values = values[lo:hi]
+    span = sum((n - 1) * stride for n, stride in zip(dst.shape, dst.stride())) + 1
+    # int32 arithmetic where it cannot overflow: 3x faster than int64 here.
+    dtype = torch.int32 if max(math.prod(chunk_sizes), span) < 2**31 else torch.int64
+    flat = indices[lo:hi].to(dtype)
+    whole = all(
+        (lo_d, hi_d) == (off, off + size)
+        for (lo_d, hi_d), off, size in zip(box[1:], chunk_offsets[1:], chunk_sizes[1:])
+    )
+    if whole and dst.is_contiguous():
+        memory = flat + (chunk_offsets[0] - box[0][0]) * row
+    else:
+        memory = keep = None
+        for d in reversed(range(len(chunk_sizes))):
+            if d:
+                quotient = flat // chunk_sizes[d]
+                local = flat - quotient * chunk_sizes[d] + (chunk_offsets[d] - box[d][0])
+                flat = quotient
+                if (box[d][0], box[d][1]) != (chunk_offsets[d], chunk_offsets[d] + chunk_sizes[d]):
+                    inside = (local >= 0) & (local < box[d][1] - box[d][0])
+                    keep = inside if keep is None else keep & inside
+            else:
+                local = flat + (chunk_offsets[0] - box[0][0])
+            memory = local * dst.stride(d) if memory is None else memory + local * dst.stride(d)
+        if keep is not None:
+            memory, values = memory[keep], values[keep]
+    target = dst.as_strided((span,), (1,), dst.storage_offset())
+    target.index_copy_(0, memory.to(torch.int64), values.to(dst.dtype))
+    return int(memory.numel())

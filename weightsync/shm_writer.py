@@ -54,10 +54,9 @@ from weightsync.checksum import changed_row_blocks, chunk_checksums, row_block_s
 from weightsync.patch import (
     PatchState,
     bits,
-    changed_elements,
+    changed_since_base,
     index_dtype,
     patch_bytes,
-    union,
     worth_patching,
 )
 from weightsync.store import Chunk
@@ -241,11 +240,11 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
             return None
         if base.values.numel() != tensor.numel() or base.sizes != list(tensor.shape):
             return None
-        flat = tensor.view(-1)
         previous = base.patch
-        indices = changed_elements(flat, base.values)
-        if previous is not None:
-            indices = union(previous.indices, indices)
+        if previous is None and not rows:  # no row block changed: it equals its base
+            return _PatchPlan(None, write=False)
+        flat = tensor.view(-1)
+        indices = changed_since_base(flat, base.values, None if previous is None else previous.indices)
         if indices.numel() == 0:
             return _PatchPlan(None, write=False)
         values = flat[indices]
