@@ -164,7 +164,8 @@ class Policy:
         return {
             "update_s": max(s["update_s"] for s in stats),
             "bytes_read_per_worker": [s["bytes_read"] for s in stats],
-            # Slices delta sync left in place (their stored pieces equal the loaded version's).
+            # Slices delta sync did not read again: their stored pieces equal the loaded version's,
+            # or differ only by element patches (then only the patches were read).
             "bytes_skipped_per_worker": [s["bytes_skipped"] for s in stats],
             # Dense buffers this update had to allocate (0: prepared at start).
             "dense_bytes_allocated_per_worker": [s["dense_bytes_allocated"] for s in stats],

@@ -233,12 +233,14 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
                     reused.append(_cut_piece(piece, offsets, a, b, elem) if len(tensor.shape) >= 2 else piece)
         return writes, reused
 
-    def _plan_patch(self, fqn: str, tensor: torch.Tensor, rows: list[tuple[int, int]]) -> _PatchPlan | None:
+    def _plan_patch(
+        self, fqn: str, offsets: list[int], tensor: torch.Tensor, rows: list[tuple[int, int]]
+    ) -> _PatchPlan | None:
         """Keep the chunk on its base with an element patch, or None (write ``rows`` instead)."""
         base = self.base.get(fqn) if self.base else None
-        if base is None or base.values is None or base.values.dtype != tensor.dtype:
+        if base is None or base.values is None:
             return None
-        if base.values.numel() != tensor.numel() or base.sizes != list(tensor.shape):
+        if (base.offsets, base.sizes, base.values.dtype) != (offsets, list(tensor.shape), tensor.dtype):
             return None
         previous = base.patch
         if previous is None and not rows:  # no row block changed: it equals its base
@@ -309,9 +311,9 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
                 for item, off, t in items
             }
             if self.elements:
-                for item, _, t in items:
+                for item, off, t in items:
                     fqn = item.index.fqn
-                    patch = self._plan_patch(fqn, t, delta[fqn][0])
+                    patch = self._plan_patch(fqn, off, t, delta[fqn][0])
                     if patch is not None:
                         patches[fqn] = patch
                         kept = [] if patch.state is None or patch.write else [patch.state.piece]
