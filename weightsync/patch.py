@@ -52,12 +52,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def changed_since_base(values: torch.Tensor, base: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
-    """Sorted flat indices (int64) where the 1-D ``values`` differ bitwise from ``base``, joined
-    with the ``previous`` patch's indices (the union since the base)."""
+    """Mask of the elements of the 1-D ``values`` that differ bitwise from ``base``, or that the
+    ``previous`` patch holds (the union since the base)."""
     changed = bits(values) != bits(base)
     if previous is not None and previous.numel():
         changed[previous] = True
-    return changed.nonzero().view(-1)
+    return changed
 
 
 def index_dtype(numel: int) -> torch.dtype:

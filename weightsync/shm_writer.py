@@ -180,7 +180,7 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         self.max_live = max_live
         self.elements = elements  # element patches (see weightsync.patch)
         self.on_base: dict[str, PatchState | None] = {}  # chunks that stayed on their base: patch
-        self.base_values: dict[str, torch.Tensor] = {}  # copies of chunks written as new bases
+        self.rebased: dict[str, torch.Tensor] = {}  # chunks written as new bases (with ``elements``)
         self.chunks: dict[str, list[Chunk]] = {}  # index pieces per fqn
         self.chunk_checksums: dict[str, dict] = {}  # tile checksums of each whole chunk
         self.layouts: dict[str, tuple[list[int], list[int], torch.dtype]] = {}  # offsets, sizes, dtype
@@ -246,21 +246,22 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         if previous is None and not rows:  # no row block changed: it equals its base
             return _PatchPlan(None, write=False)
         flat = tensor.view(-1)
-        indices = changed_since_base(flat, base.values, None if previous is None else previous.indices)
-        if indices.numel() == 0:
+        changed = changed_since_base(flat, base.values, None if previous is None else previous.indices)
+        count = int(torch.count_nonzero(changed))
+        if count == 0:
             return _PatchPlan(None, write=False)
-        values = flat[indices]
         if (
             previous is not None
-            and torch.equal(previous.indices, indices)
-            and torch.equal(bits(previous.values), bits(values))
+            and count == previous.indices.numel()  # the union did not grow,
+            and torch.equal(bits(flat[previous.indices]), bits(previous.values))  # nor its values change
         ):
-            return _PatchPlan(previous, write=False)
-        nbytes = patch_bytes(indices.numel(), flat.numel(), tensor.element_size())
+            return _PatchPlan(previous, write=False)  # the last committed patch holds: reuse it
+        nbytes = patch_bytes(count, flat.numel(), tensor.element_size())
         cost, steps = (previous.cost, previous.steps) if previous else (flat.numel() * tensor.element_size(), 1)
         if not worth_patching(nbytes, _rows_bytes(tensor, rows), cost, steps):
-            return None
-        return _PatchPlan(PatchState(indices, values, None, cost + nbytes, steps + 1), write=True)
+            return None  # decided before listing the elements (an fp32 copy changes nearly all)
+        indices = changed.nonzero().view(-1)
+        return _PatchPlan(PatchState(indices, flat[indices], None, cost + nbytes, steps + 1), write=True)
 
     def _patch_piece(self, fqn: str, state: PatchState, stored: list, data_start: int) -> Chunk:
         """The index piece of a chunk's patch, written as ``stored`` (name, tensor, offset twice)."""
@@ -331,10 +332,8 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
             else:
                 patches = {}
         self.on_base = {fqn: p.state for fqn, p in patches.items()}
-        if self.elements:  # the values of every chunk written as a new base, for later patches
-            self.base_values = {
-                item.index.fqn: t.reshape(-1).clone() for item, _, t in items if item.index.fqn not in patches
-            }
+        if self.elements:  # the chunks written as new bases: the pusher keeps a copy once committed
+            self.rebased = {item.index.fqn: t for item, _, t in items if item.index.fqn not in patches}
         # The shard: every run to write, as a tensor of its own.
         header: dict[str, dict] = {}
         sharding: dict[str, dict] = {}
