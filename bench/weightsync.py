@@ -36,11 +36,12 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
   bytes pushed and reused per step, push and update times after three warm-up deltas (``D ...``
   columns, through vLLM, checked by prompt logprobs against a whole push of the same weights). And the same steps on
   every weight with a bfloat16 policy copy (push only): the share of row blocks and of single
-  elements that stay equal (``bf16 D saved`` / ``bf16 same elems``); and the same bf16 steps with
-  element patches (``delta_elements=True``) through vLLM, ``PATCH_STEPS`` versions: the share of
-  bytes not written over all of them (``P saved``, new bases included), median push and update
-  times and bytes read per worker, against a whole bf16 push and update of the last weights
-  (one each), whose prompt logprobs they must equal (``P lp diff``);
+  elements that stay equal (``bf16 D saved`` / ``bf16 same elems``); and the same bf16 steps,
+  ``PATCH_STEPS`` versions through vLLM, pushed whole (``W``) and with element patches
+  (``delta_elements=True``, ``P``), through shared memory and through Redis (``WR`` / ``PR``),
+  files reserved first: the share of bytes not written (``P saved``, new bases included), bytes
+  read per worker (``P upd read``, of the bf16 model), median push / update times, and the
+  largest prompt-logprob difference between the patched and the whole phase (``P lp diff``);
 - the Redis data plane (``data_plane="redis"``): push + vLLM update through it (steady state,
   ``R x base b``: baseline (b) over them), and, for the transport-only comparison with redis-py,
   push + verified read of every tensor into warm
@@ -91,6 +92,10 @@ DELTA_COLUMNS = (
     "patch_update_read_fraction",
     "patch_whole_push_s",
     "patch_whole_update_s",
+    "patch_redis_push_s",
+    "patch_redis_update_s",
+    "patch_redis_whole_push_s",
+    "patch_redis_whole_update_s",
     "patch_logprob_maxdiff_vs_whole",
 )
 PATCH_STEPS = 8  # two cycles of patches and a new base at ~4% of the elements changing per step
@@ -472,15 +477,19 @@ def delta_bf16_dense(state_dict, redis_url, shm_root, run, steps) -> dict:
     return {"delta_bf16_saved_fraction": statistics.median(saved), "delta_bf16_same_elements": statistics.median(same)}
 
 
-def delta_bf16_patches(llm, state_dict, redis_url, shm_root, run, vocab) -> dict:
-    """The bf16 scenario with element patches, through vLLM (see the docstring)."""
+def _bf16_phase(llm, state_dict, redis_url, shm_root, run, vocab, data_plane, patches) -> dict:
+    """``PATCH_STEPS`` bf16 versions of the same Adam-like steps on every weight (seeded alike in
+    every phase), pushed whole or with element patches, each followed by a vLLM update; the
+    pusher's files reserved first, as a run does. Medians of the versions after the first."""
     from weightsync.push import WeightPusher
     from weightsync.store import WeightStore
 
     store = WeightStore(redis_url, run)
-    pusher = WeightPusher(store, shm_root, dtype="bfloat16", keep_last=1, delta=True, delta_elements=True)
+    pusher = WeightPusher(
+        store, shm_root, dtype="bfloat16", keep_last=1, data_plane=data_plane, delta=patches, delta_elements=patches
+    )
     master = {k: v.float().clone() for k, v in state_dict.items()}
-    bf16_bytes = sum(t.numel() * 2 for t in master.values())
+    pusher.reserve(master, background=False)
     g = torch.Generator().manual_seed(2)
     pushes, updates, written, read = [], [], [], []
     try:
@@ -496,29 +505,43 @@ def delta_bf16_patches(llm, state_dict, redis_url, shm_root, run, vocab) -> dict
                 pushes.append(stats["push_s"])
                 written.append(stats["bytes_written"])
                 read.append(max(s["bytes_read"] for s in upd))
-        lp_patch = prompt_logprobs(llm, vocab)
-        check = WeightStore(redis_url, f"{run}-whole")
-        whole = WeightPusher(check, shm_root, dtype="bfloat16", keep_last=1)
-        whole_push = whole.push(master, 1)["push_s"]
-        check.lease(1, "bench")
-        t = time.perf_counter()
-        llm.collective_rpc("update_weights_from_store", args=(redis_url, check.run, 1))
-        whole_update = time.perf_counter() - t
-        lp_whole = prompt_logprobs(llm, vocab)
-        whole.remove_all()
-        check.close()
+        logprobs = prompt_logprobs(llm, vocab)
     finally:
         pusher.remove_all()
         store.close()
+        if data_plane == "redis":
+            purge_redis(redis_url)
     return {
-        "patch_bf16_saved_fraction": 1 - sum(written) / (len(written) * bf16_bytes),
-        "patch_push_s": statistics.median(pushes),
-        "patch_update_s": statistics.median(updates),
-        "patch_update_read_fraction": statistics.median(read) / bf16_bytes,
-        "patch_whole_push_s": whole_push,
-        "patch_whole_update_s": whole_update,
-        "patch_logprob_maxdiff_vs_whole": (lp_patch - lp_whole).abs().max().item(),
+        "push_s": statistics.median(pushes),
+        "update_s": statistics.median(updates),
+        "written": sum(written) / len(written),
+        "read": statistics.median(read),
+        "logprobs": logprobs,
     }
+
+
+def delta_bf16_patches(llm, state_dict, redis_url, shm_root, run, vocab) -> dict:
+    """The bf16 steps pushed whole and with element patches, through both data planes (see the
+    docstring): bytes written per version, push and update medians, bytes read per worker."""
+    bf16_bytes = sum(t.numel() * 2 for t in state_dict.values())
+    out = {}
+    diffs = []
+    for plane in ("shm", "redis"):
+        whole = _bf16_phase(llm, state_dict, redis_url, shm_root, f"{run}-{plane}-whole", vocab, plane, False)
+        patch = _bf16_phase(llm, state_dict, redis_url, shm_root, f"{run}-{plane}-patch", vocab, plane, True)
+        prefix = "patch" if plane == "shm" else "patch_redis"
+        out |= {
+            f"{prefix}_push_s": patch["push_s"],
+            f"{prefix}_update_s": patch["update_s"],
+            f"{prefix}_whole_push_s": whole["push_s"],
+            f"{prefix}_whole_update_s": whole["update_s"],
+        }
+        if plane == "shm":
+            out["patch_bf16_saved_fraction"] = 1 - patch["written"] / whole["written"]
+            out["patch_update_read_fraction"] = patch["read"] / bf16_bytes
+        diffs.append((patch["logprobs"] - whole["logprobs"]).abs().max().item())
+    out["patch_logprob_maxdiff_vs_whole"] = max(diffs)
+    return out
 
 
 def bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, root) -> list[dict]:
@@ -766,6 +789,11 @@ def _rows_ranks2(
     return [{**row, **dict.fromkeys(one_rank_only)}]
 
 
+def _pair(row: dict, first: str, second: str) -> str:
+    """Two timings of a row as "a / b" ("-" where not measured)."""
+    return "-" if row[first] is None else f"{row[first]:.3f} / {row[second]:.3f}"
+
+
 def print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -810,10 +838,11 @@ def print_table(rows: list[dict]) -> None:
         "bf16 D saved",
         "bf16 same elems",
         "P saved",
-        "P push s",
-        "P upd s",
         "P upd read",
-        "P whole push/upd s",
+        "P push/upd s",
+        "W push/upd s",
+        "PR push/upd s",
+        "WR push/upd s",
         "P lp diff",
     ]:
         table.add_column(col, justify="right")
@@ -861,12 +890,11 @@ def print_table(rows: list[dict]) -> None:
             f(r["delta_bf16_saved_fraction"], ".3f"),
             f(r["delta_bf16_same_elements"], ".3f"),
             f(r["patch_bf16_saved_fraction"], ".3f"),
-            f(r["patch_push_s"], ".3f"),
-            f(r["patch_update_s"], ".3f"),
             f(r["patch_update_read_fraction"], ".3f"),
-            "-"
-            if r["patch_whole_push_s"] is None
-            else f"{r['patch_whole_push_s']:.3f} / {r['patch_whole_update_s']:.3f}",
+            _pair(r, "patch_push_s", "patch_update_s"),
+            _pair(r, "patch_whole_push_s", "patch_whole_update_s"),
+            _pair(r, "patch_redis_push_s", "patch_redis_update_s"),
+            _pair(r, "patch_redis_whole_push_s", "patch_redis_whole_update_s"),
             f(r["patch_logprob_maxdiff_vs_whole"], ".1e"),
         )
     Console(width=300).print(table)

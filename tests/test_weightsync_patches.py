@@ -157,6 +157,17 @@ def test_a_corrupt_patch_value_is_a_checksum_error(store, shm_root):
             read_box(BIG, entry, ((0, 256), (0, 64)), torch.empty(256, 64, dtype=torch.bfloat16), source)
     finally:
         source.close()
+    # Indices out of order, unverified: refused before anything is written.
+    start = 8 + header + json.loads(path.read_bytes()[8 : 8 + header])[f"{BIG}#patch-indices"]["data_offsets"][0]
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write((10**6).to_bytes(4, "little"))
+    source = ChunkSource(store.url, 2, verify=False)
+    try:
+        with pytest.raises(ValueError, match="not strictly increasing"):
+            read_box(BIG, entry, ((0, 256), (0, 64)), torch.empty(256, 64, dtype=torch.bfloat16), source)
+    finally:
+        source.close()
 
 
 def test_delta_elements_needs_delta():
