@@ -20,6 +20,11 @@ bytes it wrote for the chunk per version since its base (the base counted whole)
 is smaller than the changed row blocks it would write instead. For a fraction ``q`` of elements
 changing per step at random that settles near the best fixed cycle length (``q = 4%``: a new
 base every 4 versions, 0.43 of the chunk's bytes per version against 1.0).
+
+Cost: patches trade bytes for CPU time. Comparing every element, listing the changed ones and
+scattering them into a worker's slice costs more than copying the bytes on one host (bench,
+512 MiB bf16 copy, TP=2: push 0.74 s against 0.19 s whole, update 0.55 against 0.44 s), for
+0.66 of the bytes not written and about half of them not read. They are for scarce bytes.
 """
 
 from __future__ import annotations
