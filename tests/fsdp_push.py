@@ -64,9 +64,12 @@ def edited_model(model_path: str, seed: int, edits: list[tuple[str, int, int, fl
     return model
 
 
-def _versions_main(rank, world, init_file, model_path, seed, redis_url, run, shm_root, pushes, data_plane, out):
+def _versions_main(
+    rank, world, init_file, model_path, seed, redis_url, run, shm_root, pushes, data_plane, out, options
+):
     """One pusher per rank for several versions; version ``i`` is the model with the edits of
-    pushes ``0..i`` applied. Writes each push's stats to ``{out}-{rank}.json``."""
+    pushes ``0..i`` applied. Writes each push's stats to ``{out}-{rank}.json``. ``options``: more
+    ``WeightPusher`` keyword arguments."""
     import json
 
     from torch.distributed.fsdp import fully_shard
@@ -78,7 +81,12 @@ def _versions_main(rank, world, init_file, model_path, seed, redis_url, run, shm
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         pusher = WeightPusher(
-            WeightStore(redis_url, run), shm_root, keep_last=len(pushes), data_plane=data_plane, delta=True
+            WeightStore(redis_url, run),
+            shm_root,
+            keep_last=len(pushes),
+            data_plane=data_plane,
+            delta=True,
+            **options,
         )
         edits, stats = [], []
         for version, more in pushes:
@@ -94,16 +102,19 @@ def _versions_main(rank, world, init_file, model_path, seed, redis_url, run, shm
         dist.destroy_process_group()
 
 
-def push_versions_from_ranks(world, tmp_path, model_path, seed, redis_url, run, shm_root, pushes, data_plane="shm"):
+def push_versions_from_ranks(
+    world, tmp_path, model_path, seed, redis_url, run, shm_root, pushes, data_plane="shm", **options
+):
     """Delta-push ``pushes`` = [(version, [(param, lo, hi, value), ...]), ...] from ``world``
-    FSDP2 ranks; returns each rank's list of push stats."""
+    FSDP2 ranks (``options``: more ``WeightPusher`` keyword arguments); returns each rank's list
+    of push stats."""
     import json
 
     init_file = str(tmp_path / f"pg-delta-{pushes[0][0]}")
     out = str(tmp_path / f"stats-{pushes[0][0]}")
     mp.spawn(
         _versions_main,
-        args=(world, init_file, model_path, seed, redis_url, run, str(shm_root), pushes, data_plane, out),
+        args=(world, init_file, model_path, seed, redis_url, run, str(shm_root), pushes, data_plane, out, options),
         nprocs=world,
         join=True,
     )

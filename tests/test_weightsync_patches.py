@@ -205,3 +205,36 @@ def test_scatter_into_box_matches_indexing_the_full_tensor():
         expected = torch.zeros_like(holder)
         expected[cut] = patched[cut]
         assert torch.equal(holder, expected)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_patch_their_own_chunks(store, shm_root, tmp_path, tiny_model_path):
+    """Two FSDP2 ranks (gloo), bf16 with element patches: a version edits one row that only
+    rank 0 holds, the next one row that only rank 1 holds. Each rank patches its own chunk,
+    an unchanged patch is reused, and every version reads back as the edited model."""
+    from tests.fsdp_push import edited_model, push_versions_from_ranks
+    from weightsync.push import without_aliases
+
+    q = "model.layers.0.self_attn.q_proj.weight"
+    down = "model.layers.1.mlp.down_proj.weight"
+    shapes = {k: list(v.shape) for k, v in edited_model(tiny_model_path, 3, []).named_parameters()}
+    rows = shapes[down][0]
+    pushes = [(1, []), (2, [(q, 0, 1, 0.5)]), (3, [(down, rows - 1, rows, -0.5)])]
+    push_versions_from_ranks(
+        2, tmp_path, tiny_model_path, 3, store.url, store.run, shm_root, pushes, dtype="bfloat16", delta_elements=True
+    )
+    edits = []
+    for version, more in pushes:
+        edits += more
+        model = edited_model(tiny_model_path, 3, edits)
+        truth = {k: v.detach().to(torch.bfloat16) for k, v in without_aliases(model.state_dict()).items()}
+        _read_all(store, version, truth, random.Random(version), boxes=1)
+
+    def patches(version, fqn):
+        return {c.offsets[0]: c for c in store.index(version)[fqn].chunks if c.location["kind"] == "patch"}
+
+    assert patches(1, q) == {} and patches(1, down) == {}
+    assert list(patches(2, q)) == [0] and patches(2, q)[0].location["count"] == shapes[q][1]  # rank 0's chunk
+    assert patches(2, down) == {}
+    assert patches(3, q) == patches(2, q)  # unchanged since: the same piece
+    assert list(patches(3, down)) == [rows // 2] and patches(3, down)[rows // 2].location["count"] == shapes[down][1]
