@@ -381,6 +381,16 @@ def _measure(llm, redis_url, store, push_fn, versions):
     return pushes, updates, per_worker, rss_growth, repacks
 
 
+def _timed_update(llm, redis_url: str, store, version: int, verify: bool = True) -> tuple[list[dict], float]:
+    """Lease ``version`` for the bench, then update every worker to it: (their stats, seconds)."""
+    store.lease(version, "bench")
+    t = time.perf_counter()
+    stats = llm.collective_rpc(
+        "update_weights_from_store", args=(redis_url, store.run, version), kwargs={"verify": verify}
+    )
+    return stats, time.perf_counter() - t
+
+
 DELTA_LR = 1e-6  # Adam-sized steps: lr * sign(gradient), a typical RL learning rate
 
 
@@ -417,11 +427,9 @@ def delta_sync(llm, state_dict, redis_url, shm_root, run, dtype_name, layers, vo
             if version > 1:
                 _adam_like_step(master, moving, g)
             stats = pusher.push(master, version)
-            store.lease(version, "bench")
-            t = time.perf_counter()
-            upd = llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
+            upd, seconds = _timed_update(llm, redis_url, store, version)
             if version >= first_measured:
-                updates.append(time.perf_counter() - t)
+                updates.append(seconds)
                 pushes.append(stats["push_s"])
                 written.append(stats["bytes_written"])
                 reused.append(stats["bytes_reused"])
@@ -497,11 +505,9 @@ def _bf16_phase(llm, state_dict, redis_url, shm_root, run, vocab, data_plane, pa
             if version > 1:
                 _adam_like_step(master, list(master), g)
             stats = pusher.push(master, version)
-            store.lease(version, "bench")
-            t = time.perf_counter()
-            upd = llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
+            upd, seconds = _timed_update(llm, redis_url, store, version)
             if version > 1:
-                updates.append(time.perf_counter() - t)
+                updates.append(seconds)
                 pushes.append(stats["push_s"])
                 written.append(stats["bytes_written"])
                 read.append(max(s["bytes_read"] for s in upd))
@@ -669,10 +675,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         unverified = []  # the same, fresh version each time, without checking the checksums
         for version in range(last + 1, last + repeats + 1):
             pusher.push(state_dict, version)
-            store.lease(version, "bench")
-            t = time.perf_counter()
-            llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version), kwargs={"verify": False})
-            unverified.append(time.perf_counter() - t)
+            unverified.append(_timed_update(llm, redis_url, store, version, verify=False)[1])
         # Through the Redis data plane, steady state as above: until a retire frees the values of
         # an older version, every push makes Redis fault in fresh pages.
         redis_pusher = WeightPusher(store, shm_root, dtype=dtype_name, keep_last=1, data_plane="redis")
@@ -680,10 +683,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         first = last + repeats + 1
         for version in range(first, first + WARMUP_VERSIONS + repeats):
             redis_pushes.append(redis_pusher.push(state_dict, version)["push_s"])
-            store.lease(version, "bench")
-            t = time.perf_counter()
-            llm.collective_rpc("update_weights_from_store", args=(redis_url, run, version))
-            redis_updates.append(time.perf_counter() - t)
+            redis_updates.append(_timed_update(llm, redis_url, store, version)[1])
         redis_push = statistics.median(redis_pushes[WARMUP_VERSIONS:])
         redis_update = statistics.median(redis_updates[WARMUP_VERSIONS:])
         redis_pusher.remove_all()

@@ -2,6 +2,7 @@
 its base; every read is checked against slicing the true tensors of that version."""
 
 import json
+import math
 import random
 
 import pytest
@@ -184,9 +185,7 @@ def test_scatter_into_box_matches_indexing_the_full_tensor():
         shape = [rng.randint(1, 9) for _ in range(rng.randint(1, 3))]
         chunk = random_box(shape, rng)
         offsets, sizes = [lo for lo, _ in chunk], [hi - lo for lo, hi in chunk]
-        numel = 1
-        for s in sizes:
-            numel *= s
+        numel = math.prod(sizes)
         indices = torch.tensor(sorted(rng.sample(range(numel), rng.randint(0, numel))), dtype=torch.int32)
         values = torch.randn(indices.numel(), generator=g)
         full = torch.zeros(shape)

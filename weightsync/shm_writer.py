@@ -263,11 +263,12 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         indices = changed.nonzero().view(-1)
         return _PatchPlan(PatchState(indices, flat[indices], None, cost + nbytes, steps + 1), write=True)
 
-    def _patch_piece(self, fqn: str, state: PatchState, stored: list, data_start: int) -> Chunk:
-        """The index piece of a chunk's patch, written as ``stored`` (name, tensor, offset twice)."""
+    def _patch_piece(self, fqn: str, state: PatchState, stored: list[tuple], data_start: int) -> Chunk:
+        """The index piece of a chunk's patch, stored as ``(key, name, tensor, offset)`` for its
+        indices and its values."""
         offsets, sizes, _ = self.layouts[fqn]
         parts = {}
-        for key, (name, tensor, offset) in zip(("indices", "values"), (stored[:3], stored[3:])):
+        for key, name, tensor, offset in stored:
             parts[key] = {
                 "dtype": str(tensor.dtype).removeprefix("torch."),
                 "location": self.location(name, data_start + offset),
@@ -354,25 +355,26 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
                 sharding[name] = {"saved_offsets": list(offsets) if is_whole else [offsets[0] + r0, *offsets[1:]]}
                 runs.append((item, offsets, tensor, name, (r0, r1), part, offset))
                 offset += nbytes
-        patch_runs = []  # (fqn, indices name, indices, offset, values name, values, offset)
+        patch_runs = []  # (fqn, [(key, stored name, tensor, offset in the data) for indices, values])
         for fqn, patch in patches.items():
             if not patch.write:
                 continue
             numel = patch.state.values.numel()
             stored = []
-            for name, t in (
-                (f"{fqn}#patch-indices", patch.state.indices.to(index_dtype(math.prod(self.layouts[fqn][1])))),
-                (f"{fqn}#patch-values", patch.state.values),
+            for key, t in (
+                ("indices", patch.state.indices.to(index_dtype(math.prod(self.layouts[fqn][1])))),
+                ("values", patch.state.values),
             ):
+                name = f"{fqn}#patch-{key}"
                 nbytes = numel * t.element_size()
                 header[name] = {
                     "dtype": SAFETENSORS_DTYPES[t.dtype],
                     "shape": [numel],
                     "data_offsets": [offset, offset + nbytes],
                 }
-                stored += [name, t, offset]
+                stored.append((key, name, t, offset))
                 offset += nbytes
-            patch_runs.append((fqn, *stored))
+            patch_runs.append((fqn, stored))
         header["__metadata__"] = {
             DCP_SHARDING_INFO_KEY: json.dumps(sharding),
             DCP_VERSION_KEY: HF_DCP_VERSION,
@@ -383,8 +385,7 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         data_start = 8 + len(raw)
         parts: list[memoryview | bytes] = [struct.pack("<Q", len(raw)), raw]
         parts += [_tensor_bytes(part) for *_, part, _ in runs if part.numel()]
-        for _, _, indices, _, _, values, _ in patch_runs:
-            parts += [_tensor_bytes(indices), _tensor_bytes(values)]
+        parts += [_tensor_bytes(t) for _, stored in patch_runs for _, _, t, _ in stored]
         written = bool(runs or patch_runs)
         # The shard goes out on a thread (file writes and socket sends release the GIL) while
         # this one computes the checksums of the same, unchanging tensors. Nothing changed:
@@ -412,7 +413,7 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
                 )
             for pieces in self.chunks.values():
                 pieces.sort(key=lambda c: c.offsets[:1])
-            for fqn, *stored in patch_runs:
+            for fqn, stored in patch_runs:
                 self.chunks[fqn].append(self._patch_piece(fqn, patches[fqn].state, stored, data_start))
                 self.on_base[fqn] = replace(patches[fqn].state, piece=self.chunks[fqn][-1])
             if emitted is not None:
