@@ -14,6 +14,12 @@ rewrites a JSON list whenever it grows), and whoever outlives it (the launcher, 
 ``ray.shutdown``) calls ``remove_recorded``. Unlinking a file that a live process still maps is
 safe: the mapping stays until the process exits. Only /dev/shm files with vLLM's prefixes are
 ever touched, never the weight shards the workers read (those belong to the store).
+
+ZeroMQ sockets: vLLM's processes also talk through Unix sockets named ``<VLLM_RPC_BASE_PATH>/<uuid>``
+(the temp folder by default), and leave them there even after a clean shutdown: 7 per start of
+a TP=1 engine here, thousands on a machine after a few days of test runs. So each engine gets a
+private folder for them (``private_ipc_dir``, set as ``VLLM_RPC_BASE_PATH`` before the engine
+starts), removed when it stops and listed in the record for the launcher otherwise.
 """
 
 from __future__ import annotations
@@ -21,15 +27,56 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
+import tempfile
 import threading
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 PREFIXES = ("psm_", "vllm_", "sem.mp-")
+IPC_PREFIX = "rlsys-vllm-ipc-"
+_SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108 with the NUL)
+_SOCKET_NAME = 36  # vLLM names each socket with a uuid4
 
 
 def _is_engine_file(path: Path) -> bool:
     return path.parent == SHM_DIR and path.name.startswith(PREFIXES) and "/" not in path.name
+
+
+def _ipc_parents() -> set[Path]:
+    return {Path(tempfile.gettempdir()), Path("/tmp")}
+
+
+def private_ipc_dir() -> Path:
+    """A new folder (mode 700) for one engine's ZeroMQ sockets: set it as ``VLLM_RPC_BASE_PATH``
+    before the engine starts and ``remove_ipc_dir`` it after the engine stops. In the temp
+    folder, or in /tmp where the temp folder's path would make the sockets' paths too long."""
+    parent = tempfile.gettempdir()
+    if len(parent) + 1 + len(IPC_PREFIX) + 8 + 1 + _SOCKET_NAME > _SOCKET_PATH_MAX:
+        parent = "/tmp"
+    return Path(tempfile.mkdtemp(prefix=IPC_PREFIX, dir=parent))
+
+
+def _is_ipc_dir(path: Path) -> bool:
+    return path.parent in _ipc_parents() and path.name.startswith(IPC_PREFIX) and "/" not in path.name
+
+
+def remove_ipc_dir(path: str | Path) -> int:
+    """Remove an engine's socket folder (``private_ipc_dir``): the sockets in it, then the folder
+    if nothing else is left. Returns the sockets removed. Paths that are not such a folder (in
+    the temp folder, with our prefix, not a link) are left alone."""
+    path = Path(path)
+    if not _is_ipc_dir(path) or path.is_symlink() or not path.is_dir():
+        return 0
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            with contextlib.suppress(OSError):
+                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                    os.unlink(entry.path)
+                    removed += 1
+        path.rmdir()
+    return removed
 
 
 def engine_files(pids: list[int]) -> set[Path]:
@@ -60,21 +107,26 @@ class EngineFileRecord:
     """Records the engine files of this process's descendants in ``path`` (a JSON list).
 
     Create it before starting the engine; call ``started()`` once it is up (vLLM makes no new
-    files after its start) and ``remove()`` after shutting it down.
+    files after its start) and ``remove()`` after shutting it down. ``ipc_dir``: the engine's
+    socket folder (``private_ipc_dir``), listed from the start.
     """
 
-    def __init__(self, path: str | Path, period: float = 0.5) -> None:
+    def __init__(self, path: str | Path, period: float = 0.5, ipc_dir: Path | None = None) -> None:
         self.path = Path(path)
         self.files: set[Path] = set()
         self._period = period
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        if ipc_dir is not None:
+            self._add({Path(ipc_dir)})
         self._thread = threading.Thread(target=self._watch, name="engine-file-record", daemon=True)
         self._thread.start()
 
     def scan(self) -> None:
         """Add the files the descendants use now; rewrite the record if there are new ones."""
-        found = engine_files(_descendants())
+        self._add(engine_files(_descendants()))
+
+    def _add(self, found: set[Path]) -> None:
         with self._lock:
             if found <= self.files:
                 return
@@ -104,9 +156,12 @@ class EngineFileRecord:
 
 
 def _remove(paths) -> int:
-    """Unlink those of ``paths`` that are /dev/shm files with vLLM's prefixes; bytes freed."""
+    """Unlink those of ``paths`` that are /dev/shm files with vLLM's prefixes, and remove engine
+    socket folders (``remove_ipc_dir``); bytes freed (sockets hold none)."""
     freed = 0
     for path in map(Path, paths):
+        if _is_ipc_dir(path):
+            remove_ipc_dir(path)
         if not _is_engine_file(path):
             continue
         with contextlib.suppress(OSError):
@@ -118,8 +173,8 @@ def _remove(paths) -> int:
 
 def remove_recorded(record: str | Path) -> int:
     """Remove the engine files listed in ``record`` (those that still exist) and the record
-    itself; returns the bytes freed. Entries that are not /dev/shm files with vLLM's prefixes
-    are ignored (the record is data, not a list of things to delete at will)."""
+    itself; returns the bytes freed. Entries that are neither /dev/shm files with vLLM's prefixes
+    nor engine socket folders are ignored (the record is data, not a list of things to delete at will)."""
     record = Path(record)
     try:
         names = json.loads(record.read_text())

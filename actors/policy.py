@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import ray
 
-from actors.engine_shm import EngineFileRecord
+from actors.engine_shm import EngineFileRecord, private_ipc_dir, remove_ipc_dir
 from weightsync.store import WeightStore
 
 EXTENSION = "weightsync.vllm_extension.WeightSyncExtension"
@@ -48,21 +48,29 @@ class Policy:
         listed while it starts, for the launcher to remove if this actor dies before it stops
         the engine (``actors.engine_shm``); None: not recorded."""
         self.verify = verify  # check the tile checksums of every slice read in an update
-        self.engine_files = EngineFileRecord(engine_files_record) if engine_files_record else None
+        # The engine's ZeroMQ sockets go to a folder of its own, removed when it stops (vLLM
+        # leaves them in the temp folder otherwise; see actors.engine_shm).
+        self.ipc_dir = private_ipc_dir()
+        os.environ["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
+        self.engine_files = EngineFileRecord(engine_files_record, ipc_dir=self.ipc_dir) if engine_files_record else None
         if omp_threads_bind:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind
         from vllm import LLM
 
-        self.llm = LLM(
-            model=model_path,
-            tensor_parallel_size=tp,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            kv_cache_memory_bytes=kv_cache_mib * 2**20,
-            enforce_eager=enforce_eager,
-            seed=seed,
-            worker_extension_cls=EXTENSION,
-        )
+        try:
+            self.llm = LLM(
+                model=model_path,
+                tensor_parallel_size=tp,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                kv_cache_memory_bytes=kv_cache_mib * 2**20,
+                enforce_eager=enforce_eager,
+                seed=seed,
+                worker_extension_cls=EXTENSION,
+            )
+        except BaseException:
+            remove_ipc_dir(self.ipc_dir)  # the start failed: nothing will use these sockets
+            raise
         # Dense buffers for the weights vLLM-cpu repacks, allocated and touched now rather than
         # in the first weight update (see WeightSyncExtension.prepare_weight_updates).
         self.prepared_bytes_per_worker = self.llm.collective_rpc("prepare_weight_updates")
@@ -180,3 +188,4 @@ class Policy:
         self.llm.llm_engine.engine_core.shutdown()
         if self.engine_files is not None:
             self.engine_files.remove()  # what the shutdown left, if anything
+        remove_ipc_dir(self.ipc_dir)

@@ -921,8 +921,11 @@ def main() -> None:
 
     import ray
 
+    from actors.engine_shm import private_ipc_dir, remove_ipc_dir
     from weightsync.redis_server import LocalRedis
 
+    ipc_dir = private_ipc_dir()  # the engines' ZeroMQ sockets, removed at the end
+    os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir)
     ray.init(include_dashboard=False, log_to_driver=False)
     rows = []
     try:
@@ -940,6 +943,7 @@ def main() -> None:
                 )
     finally:
         ray.shutdown()
+        remove_ipc_dir(ipc_dir)
     print_table(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

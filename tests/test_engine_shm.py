@@ -2,12 +2,24 @@
 that holds shared memory the way vLLM's message queues do)."""
 
 import json
+import shutil
+import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
-from actors.engine_shm import EngineFileRecord, engine_files, remove_recorded
+from actors.engine_shm import (
+    IPC_PREFIX,
+    EngineFileRecord,
+    engine_files,
+    private_ipc_dir,
+    remove_ipc_dir,
+    remove_recorded,
+)
 
 HOLDER = """
 import mmap, sys, time
@@ -60,3 +72,51 @@ def test_a_record_can_only_remove_engine_files(tmp_path):
     assert all(path.exists() for path in keep) and not gone.exists()
     keep[1].unlink()
     assert remove_recorded(tmp_path / "no-such-record.json") == 0
+
+
+def _bound_socket(folder: Path) -> Path:
+    """A Unix socket file in ``folder``, named and left behind as vLLM's ZeroMQ sockets are."""
+    path = folder / str(uuid.uuid4())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(path))  # closing a Python socket does not unlink its file
+    return path
+
+
+def test_an_engine_socket_folder_is_listed_from_the_start_and_removed_by_the_record(tmp_path):
+    ipc = private_ipc_dir()
+    assert ipc.parent == Path(tempfile.gettempdir()) and ipc.name.startswith(IPC_PREFIX)
+    assert stat.S_IMODE(ipc.stat().st_mode) == 0o700
+    sockets = [_bound_socket(ipc) for _ in range(3)]
+    record = EngineFileRecord(tmp_path / "engine-files.json", period=60, ipc_dir=ipc)
+    assert json.loads((tmp_path / "engine-files.json").read_text()) == [str(ipc)]  # before any scan
+    record.started()
+    assert all(path.exists() for path in sockets)
+    assert remove_recorded(tmp_path / "engine-files.json") == 0  # sockets hold no bytes
+    assert not ipc.exists()
+
+
+def test_removing_a_socket_folder_removes_only_sockets_in_our_folders(tmp_path):
+    ipc = private_ipc_dir()
+    sock = _bound_socket(ipc)
+    kept = ipc / "not-a-socket"
+    kept.write_text("x")
+    assert remove_ipc_dir(ipc) == 1
+    assert not sock.exists() and kept.exists() and ipc.exists()  # a folder with other files stays
+    kept.unlink()
+    assert remove_ipc_dir(ipc) == 0 and not ipc.exists()
+
+    # Our prefix, but not directly in the temp folder (a short path: socket paths are limited).
+    outer = Path(tempfile.mkdtemp())
+    elsewhere = outer / f"{IPC_PREFIX}nested"
+    elsewhere.mkdir()
+    other_sock = _bound_socket(elsewhere)
+    link = Path(tempfile.gettempdir()) / f"{IPC_PREFIX}link-{uuid.uuid4().hex[:8]}"
+    link.symlink_to(elsewhere)
+    try:
+        record = tmp_path / "record.json"
+        record.write_text(json.dumps([str(elsewhere), str(link)]))
+        assert remove_recorded(record) == 0
+        assert other_sock.exists() and link.is_symlink()
+    finally:
+        link.unlink()
+        shutil.rmtree(outer)

@@ -3,8 +3,11 @@
 import contextlib
 import json
 import os
+import re
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
+from actors.engine_shm import IPC_PREFIX
 from apps.grpo.config import ConfigError, check_override_keys, register, validate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,6 +37,19 @@ def _compose(*overrides):
     register()
     with initialize_config_dir(str(REPO / "configs"), version_base=None):
         return compose("grpo", overrides=list(overrides))
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _engine_sockets() -> set[Path]:
+    """vLLM's ZeroMQ sockets (``<uuid4>``) and engine socket folders in the temp folder."""
+    found = set()
+    for path in Path(tempfile.gettempdir()).iterdir():
+        with contextlib.suppress(OSError):
+            if path.name.startswith(IPC_PREFIX) or (_UUID.fullmatch(path.name) and stat.S_ISSOCK(path.lstat().st_mode)):
+                found.add(path)
+    return found
 
 
 def _run_app(*overrides, timeout=600):
@@ -167,6 +184,7 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
     leftover = shm / "ws-short" / "v9" / "model-00001-of-00001.safetensors"  # from a killed run
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(bytes(3 * 2**20))
+    sockets_before = _engine_sockets()
     proc = _run_app(
         "steps=3",
         "eval_every=2",
@@ -205,6 +223,7 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
     moved = [not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters())]
     assert all(moved)  # every tensor was trained and exported
     assert not any(shm.glob("ws-*"))  # shared memory cleaned up at exit
+    assert _engine_sockets() <= sockets_before  # and the engine's sockets with their folder
 
 
 @pytest.mark.slow
@@ -306,6 +325,7 @@ def test_ctrl_c_while_the_engine_starts_leaves_no_shared_memory(tmp_path, tiny_m
             return [Path(p) for p in json.loads(record.read_text()) if Path(p).name.startswith("psm_")]
         return []
 
+    sockets_before = _engine_sockets()
     proc, queues = _signal_app_when(
         engine_queues,
         signal.SIGINT,
@@ -319,6 +339,7 @@ def test_ctrl_c_while_the_engine_starts_leaves_no_shared_memory(tmp_path, tiny_m
     assert not [q for q in queues if q.exists()], "the engine's shared-memory queues were left in /dev/shm"
     assert "MiB of shared memory the stopped vLLM engine left" in proc.stdout
     assert not any(shm.glob("ws-*"))
+    assert _engine_sockets() <= sockets_before  # the recorded socket folder, removed by the launcher
 
 
 @pytest.mark.parametrize(
