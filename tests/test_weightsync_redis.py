@@ -126,6 +126,58 @@ def test_a_failed_redis_push_leaves_no_keys(store, client, shm_root, monkeypatch
     assert store.versions() == [] and store.latest() is None
 
 
+def _redis_rss(server) -> int:
+    import psutil
+
+    return psutil.Process(server.pid).memory_info().rss
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_the_first_redis_pushes_write_into_memory_reserved_at_start(shm_root, reserve):
+    """With keep_last=1 a run holds two versions' values while it pushes: reserved at start, the
+    first two pushes find Redis's pages there; unreserved, Redis allocates them then."""
+    from weightsync.redis_server import LocalRedis
+    from weightsync.store import WeightStore
+
+    g = torch.Generator().manual_seed(0)
+    sd = {f"layers.{i}.weight": torch.randn(1000, 2048, generator=g) for i in range(4)}  # 31.25 MiB: 4 values
+    shard = sum(t.numel() * t.element_size() for t in sd.values())
+    with LocalRedis() as server:  # its own: the session's Redis has pages freed by other tests
+        store = WeightStore(server.url, "first")
+        pusher = WeightPusher(store, shm_root=shm_root, keep_last=1, data_plane="redis")
+        start = _redis_rss(server)
+        if reserve:
+            pusher.reserve(sd)
+        pusher.push(sd, 1)  # waits for the reservation
+        assert pusher.reserve_error is None
+        after_first = _redis_rss(server)
+        pusher.push(sd, 2)
+        grown = _redis_rss(server) - start
+        assert 1.9 * shard < grown < 2.3 * shard  # the two versions' values, whether reserved or not
+        if reserve:
+            assert after_first - start > 1.9 * shard  # both versions' pages were there before push 1
+            assert not _keys(redis.Redis.from_url(server.url), "first:reserve")  # deleted once reserved
+        else:
+            assert after_first - start < 1.2 * shard
+        pusher.remove_all()
+
+
+def test_a_redis_reservation_beyond_maxmemory_is_logged_and_leaves_no_keys(shm_root, caplog):
+    from weightsync.redis_server import LocalRedis
+    from weightsync.store import WeightStore
+
+    sd = {"w": torch.zeros(4096, 4096)}  # 64 MiB
+    with LocalRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        client.config_set("maxmemory", 40 * 2**20)
+        pusher = WeightPusher(WeightStore(server.url, "full"), shm_root=shm_root, keep_last=1, data_plane="redis")
+        pusher.reserve(sd, background=False)
+        assert isinstance(pusher.reserve_error, redis.RedisError) and "OOM" in str(pusher.reserve_error)
+        assert "could not reserve 144 MiB of Redis memory" in caplog.text  # 2 x 9 values of 8 MiB
+        assert client.dbsize() == 0
+        client.close()
+
+
 def test_reading_a_retired_version_from_redis_is_a_clear_error(store, shm_root, redis_url):
     pusher = WeightPusher(store, shm_root=shm_root, keep_last=1, data_plane="redis")
     pusher.push(_state_dict(1), 1)

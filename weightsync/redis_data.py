@@ -103,15 +103,18 @@ class RawRedis:
 
     # -- commands ------------------------------------------------------------------------------
 
-    def set_pieces(self, keys: list[str], pieces: list[list[memoryview | bytes]]) -> None:
-        """``SET keys[i]`` to the concatenation of ``pieces[i]``, pipelined, sent from the buffers."""
+    def set_pieces(self, keys: list[str], pieces: list[list[memoryview | bytes]], expire_ms: int | None = None) -> None:
+        """``SET keys[i]`` to the concatenation of ``pieces[i]``, pipelined, sent from the buffers
+        (``expire_ms``: each key expires that long after it is set)."""
+        expiry = b"" if expire_ms is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(expire_ms)), expire_ms)
         for key, parts in zip(keys, pieces):
             k = key.encode()
             size = sum(len(p) for p in parts)
-            self._sock.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, size))
+            head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 if not expiry else 5, len(k), k, size)
+            self._sock.sendall(head)
             for part in parts:
                 self._sock.sendall(part)
-            self._sock.sendall(b"\r\n")
+            self._sock.sendall(b"\r\n" + expiry)
         for _ in keys:
             self._read_ok()
 

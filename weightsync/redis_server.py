@@ -113,6 +113,10 @@ class LocalRedis:
                     raise
                 time.sleep(0.05)
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def stop(self) -> None:
         if self._proc.poll() is None:
             self._proc.terminate()

@@ -230,6 +230,16 @@ class WeightStore:
 
     # -- Redis data plane ----------------------------------------------------------------------
 
+    def reserve_prefix(self, tag: str) -> str:
+        """Key prefix of values written only to make Redis allocate memory, then deleted
+        (``WeightPusher.reserve``); no version refers to them."""
+        return self._key("reserve", tag)
+
+    def drop_reserved(self, keys: list[str]) -> None:
+        """Delete values written under ``reserve_prefix`` (those that exist)."""
+        for i in range(0, len(keys), 1000):
+            self._r.delete(*keys[i : i + 1000])
+
     def data_prefix(self, version: int, rank: int) -> str:
         """Key prefix of one rank's shard bytes for ``version`` (pieces are ``{prefix}:{i}``)."""
         return self._key(f"v{version}", "data", rank)
