@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,6 +17,7 @@ import hydra
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from apps.grpo import interrupts
 from apps.grpo.config import ConfigError, check_override_keys, register, validate
 
 register()
@@ -175,7 +175,7 @@ def run(cfg, console: Console) -> dict:
         # A scheduler's SIGTERM unwinds the run like Ctrl-C: actors, Ray, the private Redis and the
         # shared-memory weights are cleaned up; metrics.jsonl keeps every finished step. (Set after
         # ray.init, which installs a handler of its own that aborts the process.)
-        signal.signal(signal.SIGTERM, _interrupt)
+        interrupts.install()
         stack.callback(ray.shutdown)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
         actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda)
@@ -193,10 +193,6 @@ def _remove_engine_files(record: Path, console) -> None:
     freed = remove_recorded(record)
     if freed:
         console.print(f"removed {freed / 2**20:.1f} MiB of shared memory the stopped vLLM engine left in /dev/shm")
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 @hydra.main(config_path="../../configs", config_name="grpo", version_base=None)

@@ -18,6 +18,7 @@ from actors.replay import ReplayBuffer
 from actors.reward import Reward
 from actors.trainer_group import TrainerGroup
 from algos.episodes import Episode, assign_advantages
+from apps.grpo import interrupts
 from apps.grpo.config import ConfigError
 from checkpointing import folders
 from tasks.arithmetic import ArithmeticTask, Problem
@@ -87,8 +88,9 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
     actors = Actors(
         policy, trainer, Reward.remote(cfg.task.format_reward), ReplayBuffer.remote(cfg.algo.max_staleness), reference
     )
-    # Surface a failed start (bad model, vLLM error) here rather than at the first call.
-    ray.get([a.__ray_ready__.remote() for a in (policy, *trainer.ranks, reference) if a is not None])
+    # Surface a failed start (bad model, vLLM error) here rather than at the first call. The
+    # engine's start takes a minute: wait so that Ctrl-C stops it (see apps.grpo.interrupts).
+    interrupts.ready([a.__ray_ready__.remote() for a in (policy, *trainer.ranks, reference) if a is not None])
     check_data_plane_placement(
         cfg.weightsync.data_plane,
         ray.get(policy.node_id.remote()),
@@ -261,6 +263,7 @@ def run_grpo(
     with open(metrics_path, "a") as metrics_file, Progress(*columns, console=console) as progress:
         bar = progress.add_task("grpo", total=cfg.steps, completed=start, reward=0.0, eval=last_eval, diff=0.0)
         for step in range(start, cfg.steps):
+            interrupts.check()  # a Ctrl-C that a library call swallowed during the last step
             t0 = time.perf_counter()
             row: dict = {"step": step}
             if step == 0:
