@@ -109,6 +109,57 @@ def test_update_box_reads_only_the_patch_over_an_earlier_version_of_the_same_bas
         source.close()
 
 
+def test_a_row_cut_reads_only_its_rows_part_of_the_patch(store, shm_root):
+    """A TP worker's row cut (half the rows) reads about half the patch; a column cut spans
+    every row and reads all of it. Both write exactly the new values."""
+    sd = _state_dict()
+    pusher = WeightPusher(store, shm_root, dtype="bfloat16", keep_last=3, delta=True, delta_elements=True)
+    pusher.push(sd, 1)
+    before = _bf16(sd)[BIG]
+    _bump(sd[BIG], random.Random(5).sample(range(256 * 64), 1200))
+    pusher.push(sd, 2)
+    after = _bf16(sd)[BIG]
+    _, patch = _patch_of(store, 2, BIG)
+    assert patch.location["row_marks"]["rows"] == 4  # 256 rows in 64 runs
+    patch_bytes = patch.location["count"] * (4 + 2)  # about 1200 (a bump may keep a bf16 value)
+    index = {v: store.index(v)[BIG] for v in (1, 2)}
+    source = ChunkSource(store.url, 2)
+    try:
+        reads = {}
+        for name, box in (("rows", ((128, 256), (0, 64))), ("cols", ((0, 256), (32, 64)))):
+            cut = tuple(slice(lo, hi) for lo, hi in box)
+            dst = before[cut].clone()
+            reads[name], _ = update_box(BIG, index[2], index[1], box, dst, source)
+            assert torch.equal(dst, after[cut]), name
+    finally:
+        source.close()
+    assert reads["rows"] < 0.6 * patch_bytes  # its half, the marks' neighbours and partial tiles
+    assert reads["cols"] >= patch_bytes
+
+
+@pytest.mark.parametrize("shift", [-3, 3])
+def test_row_marks_that_do_not_match_the_patch_are_refused(store, shm_root, shift):
+    """A mark moved either way would drop elements of the rows it starts: the neighbours read
+    with the part show it."""
+    sd = _state_dict()
+    pusher = WeightPusher(store, shm_root, dtype="bfloat16", delta=True, delta_elements=True)
+    pusher.push(sd, 1)
+    _bump(sd[BIG], random.Random(6).sample(range(256 * 64), 400))
+    pusher.push(sd, 2)
+    entry = store.index(2)[BIG]
+    starts = entry.chunks[-1].location["row_marks"]["starts"]
+    starts[32] += shift  # where rows 128 on start
+    source = ChunkSource(store.url, 2)
+    try:
+        with pytest.raises(ValueError, match="row marks that do not match"):
+            read_box(BIG, entry, ((128, 256), (0, 64)), torch.empty(128, 64, dtype=torch.bfloat16), source)
+        starts[-1] += 1  # and marks that do not end at the patch's count
+        with pytest.raises(ValueError, match="do not fit a chunk"):
+            read_box(BIG, entry, ((128, 256), (0, 64)), torch.empty(128, 64, dtype=torch.bfloat16), source)
+    finally:
+        source.close()
+
+
 def test_patches_give_way_to_a_new_base_as_they_grow(store, shm_root):
     """4% of the elements change per version at random: the patches grow until a new base is
     cheaper per version, then start again; every version reads back exactly, and the bytes

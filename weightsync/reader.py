@@ -29,7 +29,7 @@ import torch
 
 from weightsync.checksum import ChecksumMismatch, Grid, matrix_shape, region_hashes
 from weightsync.layout import Box
-from weightsync.patch import scatter_into_box
+from weightsync.patch import marked_range, scatter_into_box
 from weightsync.redis_data import RawRedis, piece_ranges, tensor_view
 from weightsync.store import Chunk, TensorEntry
 
@@ -285,27 +285,50 @@ def _is_patch(chunk: Chunk) -> bool:
 
 
 def _apply_patch(fqn: str, chunk: Chunk, dtype: torch.dtype, box: Box, dst: torch.Tensor, source: ChunkSource) -> int:
-    """Read a chunk's element patch (whole, verified) and write its elements inside ``box``
-    into ``dst``. Returns the bytes read."""
+    """Read a chunk's element patch (verified) and write its elements inside ``box`` into
+    ``dst``. Returns the bytes read.
+
+    With row marks (``weightsync.patch.row_marks``) only the part of the patch that holds the
+    box's rows is read, plus one element on each side: those show that the marks are right (the
+    element before lies before the marked rows, the one after at or past their end), since a
+    wrong mark would otherwise drop elements without a checksum noticing."""
     loc = chunk.location
     count = int(loc["count"])
+    numel = math.prod(chunk.sizes)
+    marks = loc.get("row_marks")
+    p0, p1 = q0, q1 = 0, count
+    if marks is not None:
+        first = max(box[0][0] - chunk.offsets[0], 0)
+        stop = min(box[0][1] - chunk.offsets[0], chunk.sizes[0])
+        if first >= stop:
+            return 0
+        p0, p1, lo, hi = marked_range(marks, chunk.sizes, count, first, stop)
+        q0, q1 = max(p0 - 1, 0), min(p1 + 1, count)
     parts = {}
     nbytes = 0
     for key, part_dtype in (("indices", getattr(torch, loc["indices"]["dtype"])), ("values", dtype)):
         stored = Chunk([0], [count], loc[key]["location"], loc[key].get("checksum"))
-        parts[key] = torch.empty(count, dtype=part_dtype)
-        nbytes += _read_part(f"{fqn} (patch {key})", 0, stored, ((0, count),), part_dtype, parts[key], source)
+        parts[key] = torch.empty(max(0, q1 - q0), dtype=part_dtype)
+        if q1 > q0:
+            nbytes += _read_part(f"{fqn} (patch {key})", 0, stored, ((q0, q1),), part_dtype, parts[key], source)
     indices = parts["indices"]
-    if count and (
-        int(indices[0]) < 0
-        or int(indices[-1]) >= math.prod(chunk.sizes)
-        or not bool((indices[1:] > indices[:-1]).all())
+    if len(indices) and (
+        int(indices[0]) < 0 or int(indices[-1]) >= numel or not bool((indices[1:] > indices[:-1]).all())
     ):  # what the checksums would catch; with verify off, a clear error instead of stray writes
         raise ValueError(
             f"{fqn}: the element patch of the chunk at {chunk.offsets} is corrupt: its indices are not "
             "strictly increasing within the chunk"
         )
-    scatter_into_box(parts["indices"], parts["values"], chunk.offsets, chunk.sizes, box, dst)
+    if marks is not None and (
+        (q0 < p0 and int(indices[0]) >= lo)
+        or (p0 < p1 and not lo <= int(indices[p0 - q0]) <= int(indices[p1 - 1 - q0]) < hi)
+        or (p1 < q1 and int(indices[-1]) < hi)
+    ):
+        raise ValueError(
+            f"{fqn}: the element patch of the chunk at {chunk.offsets} has row marks that do not match "
+            f"its indices ({marks}): the index is corrupt"
+        )
+    scatter_into_box(indices, parts["values"], chunk.offsets, chunk.sizes, box, dst)
     return nbytes
 
 

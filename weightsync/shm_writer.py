@@ -57,6 +57,7 @@ from weightsync.patch import (
     changed_since_base,
     index_dtype,
     patch_bytes,
+    row_marks,
     worth_patching,
 )
 from weightsync.store import Chunk
@@ -283,6 +284,9 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
             "count": state.values.numel(),
             **parts,
         }
+        marks = row_marks(state.indices, sizes)
+        if marks is not None:
+            location["row_marks"] = marks
         return Chunk(list(offsets), list(sizes), location, None)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
