@@ -48,7 +48,9 @@ each size, trainer ranks and vLLM TP degree (a row each), in one run, it measure
   buffers without vLLM (``R plane``), alternating with (b), best of the repeats for both, and
   the read side alone against redis-py's GETs (``R read x GET``); and the floor of that round
   trip on one host: the model's bytes through a Unix socket twice (``R sock floor s``), since
-  every byte goes into Redis and out again through one;
+  every byte goes into Redis and out again through one; and its first three pushes into a
+  fresh Redis, as they come and reserved at start (``WeightPusher.reserve``), printed below the
+  table;
 
 On CPU the models are float32 (bf16 compute is pathologically slow on these CPUs and sync cost
 depends only on bytes); ``--dtype bfloat16`` for GPU machines. Prints a table and writes
@@ -355,6 +357,31 @@ def redis_plane_vs_baseline(state_dict: dict[str, torch.Tensor], url: str, shm_r
     return best
 
 
+def redis_first_pushes(state_dict: dict[str, torch.Tensor], shm_root: str, versions: int = 3) -> dict:
+    """The Redis data plane's first pushes of a run, each mode into a fresh private Redis: as
+    they come (Redis allocates every value) and after ``WeightPusher.reserve`` (as each trainer
+    rank does at start, in the background while the engine starts: its time is apart)."""
+    from weightsync.push import WeightPusher
+    from weightsync.redis_server import LocalRedis
+    from weightsync.store import WeightStore
+
+    dtype = str(next(iter(state_dict.values())).dtype).removeprefix("torch.")
+    out = {}
+    for reserve in (False, True):
+        with LocalRedis() as server:
+            store = WeightStore(server.url, "bench-first-pushes")
+            pusher = WeightPusher(store, shm_root, dtype=dtype, keep_last=1, data_plane="redis")
+            if reserve:
+                t = time.perf_counter()
+                pusher.reserve(state_dict, background=False)
+                out["redis_reserve_s"] = time.perf_counter() - t
+            key = "redis_first_pushes_reserved_s" if reserve else "redis_first_pushes_s"
+            out[key] = [pusher.push(state_dict, v)["push_s"] for v in range(1, versions + 1)]
+            pusher.remove_all()
+            store.close()
+    return out
+
+
 def _push_one_rank(pusher, state_dict, version: int) -> float:
     return pusher.push(state_dict, version)["push_s"]
 
@@ -584,6 +611,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
     redis_s = sum(baseline_redis(state_dict, redis_url))
     checksum_s_per_gib = checksum_seconds_per_gib(state_dict)
     plane = redis_plane_vs_baseline(state_dict, redis_url, shm_root, repeats)
+    plane.update(redis_first_pushes(state_dict, shm_root))
     purge_redis(redis_url)
     rows = []
     prepared = {}  # tp -> bytes of a worker's dense buffers, allocated before any update
@@ -897,7 +925,18 @@ def print_table(rows: list[dict]) -> None:
             _pair(r, "patch_redis_whole_push_s", "patch_redis_whole_update_s"),
             f(r["patch_logprob_maxdiff_vs_whole"], ".1e"),
         )
-    Console(width=300).print(table)
+    console = Console(width=300)
+    console.print(table)
+    shown = set()  # measured once per size (every one-rank row carries it)
+    for r in rows:
+        if r.get("redis_first_pushes_s") and r["size"] not in shown:
+            shown.add(r["size"])
+            console.print(
+                f"{r['size']}: Redis plane, first pushes into a fresh Redis: "
+                f"{' / '.join(f'{s:.3f}' for s in r['redis_first_pushes_s'])} s as they come, "
+                f"{' / '.join(f'{s:.3f}' for s in r['redis_first_pushes_reserved_s'])} s reserved at start "
+                f"(the reservation: {r['redis_reserve_s']:.2f} s, in the background while the engine starts)"
+            )
 
 
 def main() -> None:
