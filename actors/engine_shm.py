@@ -57,6 +57,23 @@ def private_ipc_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=IPC_PREFIX, dir=parent))
 
 
+@contextlib.contextmanager
+def private_ipc_env():
+    """A ``private_ipc_dir`` as ``VLLM_RPC_BASE_PATH`` for the engines this process starts
+    inside (the bench, tests); the variable restored and the folder removed after."""
+    ipc_dir = private_ipc_dir()
+    before = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir)
+    try:
+        yield ipc_dir
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = before
+        remove_ipc_dir(ipc_dir)
+
+
 def _is_ipc_dir(path: Path) -> bool:
     return path.parent in _ipc_parents() and path.name.startswith(IPC_PREFIX) and "/" not in path.name
 

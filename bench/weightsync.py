@@ -303,7 +303,9 @@ def unix_socket_seconds(nbytes: int, repeats: int = 3) -> float:
     return best
 
 
-def redis_plane_vs_baseline(state_dict: dict[str, torch.Tensor], url: str, shm_root: str, repeats: int) -> dict:
+def redis_plane_vs_baseline(
+    state_dict: dict[str, torch.Tensor], dtype: str, url: str, shm_root: str, repeats: int
+) -> dict:
     """The Redis data plane against baseline (b), like for like, alternating, best of ``repeats``.
 
     Ours: push through ``data_plane="redis"`` (checksums on) and read every tensor back whole
@@ -314,7 +316,6 @@ def redis_plane_vs_baseline(state_dict: dict[str, torch.Tensor], url: str, shm_r
     from weightsync.store import WeightStore
 
     store = WeightStore(url, f"bench-redis-plane-{uuid.uuid4().hex[:8]}")
-    dtype = str(next(iter(state_dict.values())).dtype).removeprefix("torch.")
     pusher = WeightPusher(store, shm_root, dtype=dtype, keep_last=1, data_plane="redis")
     out = {k: torch.empty_like(v) for k, v in state_dict.items()}
     sets, gets, pushes, reads = [], [], [], []
@@ -357,7 +358,7 @@ def redis_plane_vs_baseline(state_dict: dict[str, torch.Tensor], url: str, shm_r
     return best
 
 
-def redis_first_pushes(state_dict: dict[str, torch.Tensor], shm_root: str, versions: int = 3) -> dict:
+def redis_first_pushes(state_dict: dict[str, torch.Tensor], dtype: str, shm_root: str, versions: int = 3) -> dict:
     """The Redis data plane's first pushes of a run, each mode into a fresh private Redis: as
     they come (Redis allocates every value) and after ``WeightPusher.reserve`` (as each trainer
     rank does at start, in the background while the engine starts: its time is apart)."""
@@ -365,7 +366,6 @@ def redis_first_pushes(state_dict: dict[str, torch.Tensor], shm_root: str, versi
     from weightsync.redis_server import LocalRedis
     from weightsync.store import WeightStore
 
-    dtype = str(next(iter(state_dict.values())).dtype).removeprefix("torch.")
     out = {}
     for reserve in (False, True):
         with LocalRedis() as server:
@@ -610,8 +610,8 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
     ray_s = baseline_ray(state_dict)
     redis_s = sum(baseline_redis(state_dict, redis_url))
     checksum_s_per_gib = checksum_seconds_per_gib(state_dict)
-    plane = redis_plane_vs_baseline(state_dict, redis_url, shm_root, repeats)
-    plane.update(redis_first_pushes(state_dict, shm_root))
+    plane = redis_plane_vs_baseline(state_dict, dtype_name, redis_url, shm_root, repeats)
+    plane.update(redis_first_pushes(state_dict, dtype_name, shm_root))
     purge_redis(redis_url)
     rows = []
     prepared = {}  # tp -> bytes of a worker's dense buffers, allocated before any update
@@ -960,15 +960,17 @@ def main() -> None:
 
     import ray
 
-    from actors.engine_shm import private_ipc_dir, remove_ipc_dir
+    from actors.engine_shm import private_ipc_env
     from weightsync.redis_server import LocalRedis
 
-    ipc_dir = private_ipc_dir()  # the engines' ZeroMQ sockets, removed at the end
-    os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir)
     ray.init(include_dashboard=False, log_to_driver=False)
     rows = []
     try:
-        with LocalRedis() as server, tempfile.TemporaryDirectory(prefix="bench-models-") as root:
+        with (
+            private_ipc_env(),  # the engines' ZeroMQ sockets, removed at the end
+            LocalRedis() as server,
+            tempfile.TemporaryDirectory(prefix="bench-models-") as root,
+        ):
             for size in sizes:
                 rows += bench_size(
                     size,
@@ -982,7 +984,6 @@ def main() -> None:
                 )
     finally:
         ray.shutdown()
-        remove_ipc_dir(ipc_dir)
     print_table(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 that holds shared memory the way vLLM's message queues do)."""
 
 import json
+import os
 import shutil
 import socket
 import stat
@@ -17,6 +18,7 @@ from actors.engine_shm import (
     EngineFileRecord,
     engine_files,
     private_ipc_dir,
+    private_ipc_env,
     remove_ipc_dir,
     remove_recorded,
 )
@@ -120,3 +122,12 @@ def test_removing_a_socket_folder_removes_only_sockets_in_our_folders(tmp_path):
     finally:
         link.unlink()
         shutil.rmtree(outer)
+
+
+def test_a_socket_folder_environment_is_set_inside_and_undone_after(monkeypatch):
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/somewhere/else")
+    with private_ipc_env() as ipc:
+        assert os.environ["VLLM_RPC_BASE_PATH"] == str(ipc) and ipc.name.startswith(IPC_PREFIX)
+        sock = _bound_socket(ipc)  # left behind, as vLLM's are
+    assert os.environ["VLLM_RPC_BASE_PATH"] == "/somewhere/else"
+    assert not sock.exists() and not ipc.exists()

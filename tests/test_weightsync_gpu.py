@@ -42,28 +42,24 @@ def llm_gpu(request, tiny_model_path):
     """(a vLLM engine, its TP = the number of GPUs of the case and of trainer ranks)."""
     from vllm import LLM
 
-    from actors.engine_shm import private_ipc_dir, remove_ipc_dir
+    from actors.engine_shm import private_ipc_env
     from actors.policy import EXTENSION
 
     tp = request.param
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} CUDA devices")
-    ipc_dir = private_ipc_dir()  # the engine's ZeroMQ sockets, as the Policy actor does
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(ipc_dir))
-    llm = LLM(
-        model=tiny_model_path,
-        tensor_parallel_size=tp,
-        dtype="bfloat16",
-        gpu_memory_utilization=0.15,
-        max_model_len=64,
-        enforce_eager=True,
-        worker_extension_cls=EXTENSION,
-    )
-    yield llm, tp
-    llm.llm_engine.engine_core.shutdown()
-    monkeypatch.undo()
-    remove_ipc_dir(ipc_dir)
+    with private_ipc_env():  # the engine's ZeroMQ sockets, as the Policy actor does
+        llm = LLM(
+            model=tiny_model_path,
+            tensor_parallel_size=tp,
+            dtype="bfloat16",
+            gpu_memory_utilization=0.15,
+            max_model_len=64,
+            enforce_eager=True,
+            worker_extension_cls=EXTENSION,
+        )
+        yield llm, tp
+        llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.mark.parametrize("delta", [False, True])

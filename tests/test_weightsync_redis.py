@@ -156,7 +156,8 @@ def test_the_first_redis_pushes_write_into_memory_reserved_at_start(shm_root, re
         assert 1.9 * shard < grown < 2.3 * shard  # the two versions' values, whether reserved or not
         if reserve:
             assert after_first - start > 1.9 * shard  # both versions' pages were there before push 1
-            assert not _keys(redis.Redis.from_url(server.url), "first:reserve")  # deleted once reserved
+            with redis.Redis.from_url(server.url) as client:
+                assert not _keys(client, "first:reserve")  # deleted once reserved
         else:
             assert after_first - start < 1.2 * shard
         pusher.remove_all()
@@ -167,15 +168,13 @@ def test_a_redis_reservation_beyond_maxmemory_is_logged_and_leaves_no_keys(shm_r
     from weightsync.store import WeightStore
 
     sd = {"w": torch.zeros(4096, 4096)}  # 64 MiB
-    with LocalRedis() as server:
-        client = redis.Redis.from_url(server.url)
+    with LocalRedis() as server, redis.Redis.from_url(server.url) as client:
         client.config_set("maxmemory", 40 * 2**20)
         pusher = WeightPusher(WeightStore(server.url, "full"), shm_root=shm_root, keep_last=1, data_plane="redis")
         pusher.reserve(sd, background=False)
         assert isinstance(pusher.reserve_error, redis.RedisError) and "OOM" in str(pusher.reserve_error)
         assert "could not reserve 144 MiB of Redis memory" in caplog.text  # 2 x 9 values of 8 MiB
         assert client.dbsize() == 0
-        client.close()
 
 
 def test_reading_a_retired_version_from_redis_is_a_clear_error(store, shm_root, redis_url):

@@ -237,6 +237,10 @@ class WeightStore:
 
     def drop_reserved(self, keys: list[str]) -> None:
         """Delete values written under ``reserve_prefix`` (those that exist)."""
+        self._delete(keys)
+
+    def _delete(self, keys: list) -> None:
+        """Delete ``keys``, a thousand per command."""
         for i in range(0, len(keys), 1000):
             self._r.delete(*keys[i : i + 1000])
 
@@ -261,9 +265,7 @@ class WeightStore:
     def drop_all_data(self) -> None:
         """Delete every unit's Redis data keys of this run and the use counts (at the end of a run)."""
         for data_set in self._r.scan_iter(match=self._key("unit", "*"), count=1000):
-            keys = list(self._r.smembers(data_set))
-            for i in range(0, len(keys), 1000):
-                self._r.delete(*keys[i : i + 1000])
+            self._delete(list(self._r.smembers(data_set)))
             self._r.delete(data_set)
         self._r.delete(self._key("refs"))
 
