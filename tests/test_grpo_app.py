@@ -89,6 +89,7 @@ def test_wrong_type_names_the_key():
         ("algo.group_size=1", "algo.group_size"),
         ("algo.kl_coef=-1", "algo.kl_coef"),
         ("run_name=a/b", "run_name"),
+        ("run_name=a:b", "run_name"),
         ("weightsync.data_plane=nfs", "weightsync.data_plane"),
         ("weightsync.checksums=false", "weightsync.verify"),
         ("trainer.lr_schedule=step", "trainer.lr_schedule"),
@@ -369,9 +370,44 @@ TIMING_KEYS = {"step_s", "weight_sync_s", "push_s", "update_s", "gen_tokens_per_
 
 
 @pytest.mark.slow
-def test_two_rank_run_resumes_like_an_uninterrupted_run(tmp_path, tiny_model_path):
+def _store_keys(redis_url: str, run: str) -> list[bytes]:
+    from weightsync.store import WeightStore
+
+    store = WeightStore(redis_url, run)
+    try:
+        return store.run_keys()
+    finally:
+        store.close()
+
+
+def _leave_versions_in_store(redis_url: str, run: str, versions: list[int]) -> None:
+    """What a run killed after pushing ``versions`` leaves in a shared Redis."""
+    from weightsync.store import Chunk, TensorEntry, WeightStore
+
+    store = WeightStore(redis_url, run)
+    entry = TensorEntry("float32", [2], [Chunk([0], [2], {"kind": "shm", "file": "/dev/shm/gone"})])
+    for version in versions:
+        store.put_part(version, 0, {"w": entry})
+        store.commit(version, 1)
+    store.lease(versions[-1], "policy-0")
+    store.close()
+
+
+def test_a_shared_redis_holding_a_runs_versions_is_not_silently_reused(tmp_path, tiny_model_path, redis_url):
+    _leave_versions_in_store(redis_url, "taken", [5, 6])
+    proc = _run_app(f"output_dir={tmp_path}", "run_name=taken", f"redis.url={redis_url}")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "already holds weight versions of run 'taken'" in proc.stderr and "overwrite=true" in proc.stderr
+    assert not (tmp_path / "taken").exists() and len(_store_keys(redis_url, "taken")) > 0  # nothing changed
+
+
+def test_two_rank_run_resumes_like_an_uninterrupted_run(tmp_path, tiny_model_path, redis_url):
     """trainer.ranks=2 with checkpoints; a copy cut back to its step-2 checkpoint, resumed, redoes
-    steps 2-3 exactly as the uninterrupted run did (metrics, evals, policy versions, export)."""
+    steps 2-3 exactly as the uninterrupted run did (metrics, evals, policy versions, export).
+
+    Through a shared Redis (``redis.url``): each run removes its keys at the end, and the resumed
+    run first removes the versions 3 and 4 that the cut run left there when it was killed (kept,
+    they would retire the resumed run's version 2 as soon as it is pushed)."""
     import shutil
 
     common = [
@@ -386,9 +422,11 @@ def test_two_rank_run_resumes_like_an_uninterrupted_run(tmp_path, tiny_model_pat
         "checkpoint.keep_last=3",
         f"output_dir={tmp_path}",
         f"weightsync.shm_root={tmp_path / 'shm'}",
+        f"redis.url={redis_url}",
     ]
     proc = _run_app(*common, "run_name=full")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _store_keys(redis_url, "full") == []
     full = tmp_path / "full"
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_2", "step_3", "step_4"]  # keep_last
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
@@ -400,11 +438,14 @@ def test_two_rank_run_resumes_like_an_uninterrupted_run(tmp_path, tiny_model_pat
     cut = tmp_path / "cut"
     shutil.copytree(full, cut, ignore=shutil.ignore_patterns("step_3", "step_4", "hf"))
     (cut / "checkpoints" / ".step_3.tmp").mkdir()
+    _leave_versions_in_store(redis_url, "cut", [3, 4])
     proc = _run_app(*common, "run_name=cut")  # an existing run is not silently restarted
     assert proc.returncode == 2 and "resume=true" in proc.stderr
     proc = _run_app(*common, "run_name=cut", "resume=true")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "checkpoints/step_2 (step 2" in proc.stdout
+    assert "Redis keys" in proc.stdout and "that an earlier run 'cut' left" in proc.stdout
+    assert _store_keys(redis_url, "cut") == []
     resumed = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [r["step"] for r in rows]
     for a, b in zip(rows, resumed, strict=True):

@@ -114,6 +114,42 @@ def test_retire_deletes_the_data_keys_with_the_version(store, client, shm_root):
     assert not any(":data" in k for k in _keys(client, store.run))
 
 
+def test_clearing_a_run_deletes_all_its_keys_and_no_other_runs(redis_url, client, shm_root):
+    """Between runs of one name on a shared Redis: versions, leases, data and reservations go;
+    runs whose names match the first one's as a glob pattern keep theirs."""
+    from weightsync.store import WeightStore
+
+    tag = uuid.uuid4().hex[:6]
+    stores = {name: WeightStore(redis_url, name) for name in (f"a*{tag}", f"ab{tag}", f"a*{tag}-2")}
+    try:
+        for store in stores.values():
+            pusher = WeightPusher(store, shm_root=shm_root, keep_last=2, data_plane="redis")
+            pusher.push(_state_dict(1), 1)
+            pusher.push(_state_dict(2), 2)
+            store.lease(2, "policy-0")
+            client.set(store.reserve_prefix("x") + ":0", b"\0" * 100)
+        target = stores[f"a*{tag}"]
+        before = {k for k in _keys(client, target.run) if k.startswith(f"ws:{target.run}:")}
+        assert {k for k in before if ":data:" in k} and f"ws:{target.run}:v2:leases" in before
+        data_bytes = sum(client.strlen(k) for k in before if ":data:" in k)
+        keys, held = target.clear_run()
+        assert keys == len(before) and held >= data_bytes
+        assert not client.keys(f"ws:a\\*{tag}:*") and target.run_keys() == []
+        for name in (f"ab{tag}", f"a*{tag}-2"):  # "a*" as a pattern would have matched these
+            assert stores[name].versions() == [1, 2] and any(":data:" in k.decode() for k in stores[name].run_keys())
+    finally:
+        for store in stores.values():
+            store.clear_run()
+            store.close()
+
+
+def test_run_names_with_a_colon_are_refused(redis_url):
+    from weightsync.store import WeightStore
+
+    with pytest.raises(ValueError, match="hold no ':'"):
+        WeightStore(redis_url, "a:v1")  # its keys would be run "a"'s
+
+
 def test_a_failed_redis_push_leaves_no_keys(store, client, shm_root, monkeypatch):
     def fail(*args, **kwargs):
         assert _data_keys(client, store.run, 1)  # the values are written by then

@@ -25,6 +25,7 @@ newer version reuses outlives the version that wrote it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import redis
@@ -157,10 +158,18 @@ class Retired:
     freed: list[str]  # storage units no committed version uses any more
 
 
+def _glob_escaped(text: str) -> str:
+    """``text`` as a literal in a Redis glob pattern (SCAN MATCH)."""
+    return re.sub(r"([*?\[\]\\^])", r"\\\1", text)
+
+
 class WeightStore:
     """Control-plane client for one run's weight versions."""
 
     def __init__(self, url: str, run: str) -> None:
+        if not run or ":" in run:
+            # Keys are "ws:<run>:...": with ':' in names, run "a" and run "a:v1" would share keys.
+            raise ValueError(f"run name {run!r} must be non-empty and hold no ':'")
         self.url = url
         self.run = run
         self._r = redis.Redis.from_url(url)
@@ -268,6 +277,21 @@ class WeightStore:
             self._delete(list(self._r.smembers(data_set)))
             self._r.delete(data_set)
         self._r.delete(self._key("refs"))
+
+    def run_keys(self) -> list[bytes]:
+        """Every key this run has in Redis: versions, leases, parts, data, reservations."""
+        return list(self._r.scan_iter(match=_glob_escaped(self._key("")) + "*", count=1000))
+
+    def clear_run(self) -> tuple[int, int]:
+        """Delete every key of this run (between runs, never while one runs). Returns the keys
+        deleted and the bytes Redis reported for them (``MEMORY USAGE``)."""
+        keys = self.run_keys()
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.memory_usage(key, samples=0)
+        held = sum(n or 0 for n in pipe.execute()) if keys else 0
+        self._delete(keys)
+        return len(keys), held
 
     # -- reader side ---------------------------------------------------------------------------
 

@@ -90,6 +90,30 @@ def check_output_dir(cfg) -> Path:
     return out
 
 
+def check_store_of_earlier_run(cfg, redis_url: str, console: Console) -> None:
+    """A shared Redis (``redis.url``) keeps what a run of this name that did not finish (killed,
+    crashed) left there: its weight versions, leases and, with the Redis data plane, the weights.
+    A new run's versions would be retired behind those at once (a resumed run's number is lower
+    still), so they are removed first, with ``overwrite=true`` or ``resume=true``. Otherwise they
+    may be a run of this name that is live on another machine: an error, and nothing changes."""
+    from weightsync.store import WeightStore
+
+    store = WeightStore(redis_url, cfg.run_name)
+    try:
+        if not store.run_keys():
+            return
+        if not (cfg.overwrite or cfg.resume):
+            raise ConfigError(
+                f"Redis {redis_url} already holds weight versions of run {cfg.run_name!r}, left by an earlier run "
+                "of this name that did not finish, or used by one running now: choose another run_name=..., or "
+                "pass overwrite=true (or resume=true) to remove them"
+            )
+        keys, held = store.clear_run()
+        console.print(f"removed {keys} Redis keys ({held / 2**20:.1f} MiB) that an earlier run {cfg.run_name!r} left")
+    finally:
+        store.close()
+
+
 def prepare_output_dir(cfg, out: Path) -> None:
     if out.exists() and cfg.overwrite:
         shutil.rmtree(out)  # replace: no metrics or checkpoints of the old run may survive
@@ -164,6 +188,10 @@ def run(cfg, console: Console) -> dict:
         stack.callback(_remove_engine_files, engine_record, console)
         check_shared_memory(cfg, model_path, policy_dtype)
         out_dir = check_output_dir(cfg)
+        if cfg.redis.url:
+            check_store_of_earlier_run(cfg, redis_url, console)
+            # After ray.shutdown: a shared Redis outlives the run, its keys must not.
+            stack.callback(_remove_store_keys, redis_url, cfg.run_name, console)
         prepare_output_dir(cfg, out_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["path"] = model_path
@@ -193,6 +221,24 @@ def _remove_engine_files(record: Path, console) -> None:
     freed = remove_recorded(record)
     if freed:
         console.print(f"removed {freed / 2**20:.1f} MiB of shared memory the stopped vLLM engine left in /dev/shm")
+
+
+def _remove_store_keys(redis_url: str, run: str, console: Console) -> None:
+    from redis import RedisError
+
+    from weightsync.store import WeightStore
+
+    try:
+        store = WeightStore(redis_url, run)
+        try:
+            keys, held = store.clear_run()
+        finally:
+            store.close()
+    except RedisError as e:  # the run's own outcome matters more; say what is left behind
+        console.print(f"[yellow]warning:[/] could not remove run {run!r}'s keys (ws:{run}:*) from {redis_url}: {e}")
+        return
+    if held >= 2**20:
+        console.print(f"removed the run's {held / 2**20:.1f} MiB of weights from Redis ({keys} keys)")
 
 
 @hydra.main(config_path="../../configs", config_name="grpo", version_base=None)

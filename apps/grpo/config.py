@@ -238,7 +238,11 @@ def validate(cfg) -> None:
         ),
         (cfg.checkpoint.every >= 0, "checkpoint.every", "an integer >= 0 (0: no checkpoints)"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "an integer >= 1"),
-        (bool(str(cfg.run_name).strip()) and "/" not in str(cfg.run_name), "run_name", "a non-empty name without '/'"),
+        (
+            bool(str(cfg.run_name).strip()) and not {"/", ":"} & set(str(cfg.run_name)),
+            "run_name",
+            "a non-empty name without '/' or ':'",
+        ),
     ]
     for ok, key, allowed in checks:
         if not ok:
