@@ -205,8 +205,11 @@ def run(cfg, console: Console) -> dict:
         # ray.init, which installs a handler of its own that aborts the process.)
         interrupts.install()
         stack.callback(ray.shutdown)
+        # Before ray.shutdown (after the policy's close): the run's shared memory on other nodes.
+        writers: list = []
+        stack.callback(_clean_other_nodes, writers, shm_dir, engine_record, console)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
-        actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda)
+        actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda, writers)
         stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         state = resume_from_checkpoint(actors, out_dir, console) if cfg.resume else None
@@ -221,6 +224,19 @@ def _remove_engine_files(record: Path, console) -> None:
     freed = remove_recorded(record)
     if freed:
         console.print(f"removed {freed / 2**20:.1f} MiB of shared memory the stopped vLLM engine left in /dev/shm")
+
+
+def _clean_other_nodes(writers: list, shm_dir: Path, record: Path, console: Console) -> None:
+    from apps.grpo.node_cleanup import clean_other_nodes
+
+    try:
+        freed = clean_other_nodes(writers, shm_dir, record)
+    except Exception as e:  # noqa: BLE001 (the run's own outcome matters more; say what is left)
+        console.print(f"[yellow]warning:[/] could not remove the run's shared memory on other Ray nodes: {e}")
+        return
+    for node, n in freed.items():
+        if n:
+            console.print(f"removed {n / 2**20:.1f} MiB of the run's shared memory on Ray node {node[:12]}...")
 
 
 def _remove_store_keys(redis_url: str, run: str, console: Console) -> None:

@@ -40,8 +40,13 @@ def engine_files_record(cfg) -> Path:
     return run_dir(cfg.weightsync.shm_root, cfg.run_name) / "engine-files.json"
 
 
-def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cuda: bool) -> Actors:
+def start_actors(
+    cfg, model_path: str, redis_url: str, policy_dtype: str, use_cuda: bool, writers: list | None = None
+) -> Actors:
+    """``writers``: gets the actors that write to shared memory (the policy, the trainer ranks)
+    as they are made, so that the launcher can end them even if this start is interrupted."""
     run = cfg.run_name
+    writers = [] if writers is None else writers
     policy = Policy.options(num_gpus=cfg.policy.tp if use_cuda else 0).remote(
         model_path,
         redis_url,
@@ -56,6 +61,7 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         verify=cfg.weightsync.verify,
         engine_files_record=str(engine_files_record(cfg)),
     )
+    writers.append(policy)
     trainer = TrainerGroup(
         cfg.trainer.ranks,
         model_path,
@@ -84,6 +90,7 @@ def start_actors(cfg, model_path: str, redis_url: str, policy_dtype: str, use_cu
         delta_max_live=cfg.weightsync.delta_max_live,
         delta_elements=cfg.weightsync.delta_elements,
     )
+    writers.extend(trainer.ranks)
     reference = Reference.remote(model_path, cfg.trainer.torch_threads) if cfg.algo.kl_coef > 0 else None
     actors = Actors(
         policy, trainer, Reward.remote(cfg.task.format_reward), ReplayBuffer.remote(cfg.algo.max_staleness), reference
