@@ -98,13 +98,33 @@ def start_actors(
     # Surface a failed start (bad model, vLLM error) here rather than at the first call. The
     # engine's start takes a minute: wait so that Ctrl-C stops it (see apps.grpo.interrupts).
     interrupts.ready([a.__ray_ready__.remote() for a in (policy, *trainer.ranks, reference) if a is not None])
-    check_data_plane_placement(
-        cfg.weightsync.data_plane,
-        ray.get(policy.node_id.remote()),
-        ray.get([r.node_id.remote() for r in trainer.ranks]),
+    policy_node = ray.get(policy.node_id.remote())
+    trainer_nodes = ray.get([r.node_id.remote() for r in trainer.ranks])
+    host_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    check_redis_placement(
+        cfg.redis.url,
+        host_of[ray.get_runtime_context().get_node_id()],
+        {"the policy": host_of[policy_node]}
+        | {f"trainer rank {i}": host_of[node] for i, node in enumerate(trainer_nodes)},
     )
+    check_data_plane_placement(cfg.weightsync.data_plane, policy_node, trainer_nodes)
     trainer.start()
     return actors
+
+
+def check_redis_placement(redis_url: str | None, launcher_host: str, hosts: dict[str, str]) -> None:
+    """Without ``redis.url`` the launcher's private Redis listens on a Unix socket on its own host
+    (never on the network): said at start when Ray placed an actor that needs it on another
+    host (``hosts``: actor -> its node's address), not as a connection error at the first push."""
+    if redis_url:
+        return
+    away = [actor for actor, host in hosts.items() if host != launcher_host]
+    if away:
+        raise ConfigError(
+            f"without redis.url the launcher starts a private Redis on a Unix socket on its own host "
+            f"({launcher_host}), but Ray placed {', '.join(away)} on {hosts[away[0]]}, which cannot reach it. "
+            "Start a Redis that the Ray nodes can reach and pass redis.url=redis://<host>:<port>."
+        )
 
 
 def check_data_plane_placement(data_plane: str, policy_node: str, trainer_nodes: list[str]) -> None:
