@@ -370,6 +370,22 @@ TIMING_KEYS = {"step_s", "weight_sync_s", "push_s", "update_s", "gen_tokens_per_
 
 
 @pytest.mark.slow
+def test_a_second_launcher_of_a_live_run_is_refused_and_leaves_its_files_alone(tmp_path, tiny_model_path):
+    """Another output_dir does not make it another run here: the same run name shares the
+    shared-memory folder, which the second launcher would have taken for a killed run's."""
+    from apps.grpo.run_lock import RunLock, lock_path
+
+    shm = tmp_path / "shm"
+    live = shm / "ws-live" / "v3" / "model-00001-of-00001.safetensors"
+    live.parent.mkdir(parents=True)
+    live.write_bytes(bytes(2**20))
+    with RunLock(lock_path(shm, "live")):  # as the live run's launcher holds it
+        proc = _run_app(f"output_dir={tmp_path / 'other'}", "run_name=live", f"weightsync.shm_root={shm}")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"run 'live' is running on this host already (launcher pid {os.getpid()})" in proc.stderr
+    assert live.exists() and not (tmp_path / "other").exists()
+
+
 def _store_keys(redis_url: str, run: str) -> list[bytes]:
     from weightsync.store import WeightStore
 

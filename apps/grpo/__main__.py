@@ -153,6 +153,7 @@ def run(cfg, console: Console) -> dict:
 
     from actors.engine_shm import remove_recorded
     from apps.grpo.loop import engine_files_record, resume_from_checkpoint, run_grpo, start_actors
+    from apps.grpo.run_lock import RunLock, RunLocked, lock_path
     from tasks.arithmetic import ArithmeticTask
     from weightsync.push import run_dir
     from weightsync.redis_server import LocalRedis, check_redis
@@ -174,24 +175,32 @@ def run(cfg, console: Console) -> dict:
             redis_url = stack.enter_context(LocalRedis()).url
         shm_dir = run_dir(cfg.weightsync.shm_root, cfg.run_name)
         engine_record = engine_files_record(cfg)
-        if not cfg.redis.url and shm_dir.exists():
-            # A run of this name killed without cleanup (SIGKILL, OOM, power): with a private Redis
-            # no store can reference these files any more. With a shared Redis they may be live.
+        out_dir = check_output_dir(cfg)
+        try:
+            stack.enter_context(RunLock(lock_path(cfg.weightsync.shm_root, cfg.run_name)))
+        except RunLocked as e:
+            raise ConfigError(
+                f"run {cfg.run_name!r} is running on this host already (launcher {e}); choose another run_name=..."
+            ) from None
+        if cfg.redis.url:
+            check_store_of_earlier_run(cfg, redis_url, console)
+        if shm_dir.exists() and (not cfg.redis.url or cfg.overwrite or cfg.resume):
+            # A run of this name killed without cleanup (SIGKILL, OOM, power): not alive (the lock),
+            # and no store can reference its files: a private Redis died with it, a shared one's
+            # keys of this run were just removed. Otherwise they may belong to a run on another host.
             leftover = remove_recorded(engine_record)  # its vLLM engine's queues, if it died starting
             leftover += sum(f.stat().st_size for f in shm_dir.rglob("*") if f.is_file())
             shutil.rmtree(shm_dir, ignore_errors=True)
             console.print(f"removed {leftover / 2**20:.1f} MiB of shared memory left by an earlier run ({shm_dir})")
         # Removed from here, not by the actors, so that it happens even if they died: after
         # ray.shutdown (registered later, so it runs first), the engine's shared-memory queues
-        # (left when the policy is ended before its engine finished starting), then the weights.
+        # (left when the policy is ended before its engine finished starting), then the weights,
+        # and a shared Redis's keys of the run (it outlives the run; they must not).
         stack.callback(shutil.rmtree, shm_dir, ignore_errors=True)
         stack.callback(_remove_engine_files, engine_record, console)
-        check_shared_memory(cfg, model_path, policy_dtype)
-        out_dir = check_output_dir(cfg)
         if cfg.redis.url:
-            check_store_of_earlier_run(cfg, redis_url, console)
-            # After ray.shutdown: a shared Redis outlives the run, its keys must not.
             stack.callback(_remove_store_keys, redis_url, cfg.run_name, console)
+        check_shared_memory(cfg, model_path, policy_dtype)
         prepare_output_dir(cfg, out_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["path"] = model_path
