@@ -41,12 +41,14 @@ class Writer:
             (shm_dir / "v2" / "part").write_bytes(b"")
             time.sleep(0.01)
 
+nothing = clean_other_nodes([], shm_dir, shm_dir / "engine-files.json")  # as at a rerun's start
 writer = Writer.remote()
 node, pid = ray.get(writer.write.remote())
 freed = clean_other_nodes([writer], shm_dir, shm_dir / "engine-files.json")
 head = ray.get_runtime_context().get_node_id()
 time.sleep(1)  # a writer still alive would have made its folder again by now
-print(json.dumps({"node": node, "head": head, "pid": pid, "freed": freed, "left": shm_dir.exists()}))
+out = {"node": node, "head": head, "pid": pid, "freed": freed, "nothing": nothing, "left": shm_dir.exists()}
+print(json.dumps(out))
 ray.shutdown()
 cluster.shutdown()
 """
@@ -65,6 +67,7 @@ def test_a_runs_shared_memory_on_another_node_is_removed_there(tmp_path):
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert list(out["nothing"].values()) == [0]  # one other node, nothing there yet
         assert out["node"] != out["head"]  # the files were written on the other node
         assert out["freed"] == {out["node"]: 3 * 2**20}  # removed by a task there, and only there
         assert not out["left"]  # the writer was killed before its files were removed

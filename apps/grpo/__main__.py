@@ -214,6 +214,8 @@ def run(cfg, console: Console) -> dict:
         # ray.init, which installs a handler of its own that aborts the process.)
         interrupts.install()
         stack.callback(ray.shutdown)
+        if cfg.redis.url and (cfg.overwrite or cfg.resume):
+            _clean_other_nodes([], shm_dir, engine_record, console)  # what a killed run left there
         # Before ray.shutdown (after the policy's close): the run's shared memory on other nodes.
         writers: list = []
         stack.callback(_clean_other_nodes, writers, shm_dir, engine_record, console)

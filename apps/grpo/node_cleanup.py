@@ -59,8 +59,8 @@ def clean_other_nodes(
         return {}
     for actor in writers:
         ray.kill(actor, no_restart=True)
-    # A call on a killed actor fails once it is dead: wait for that (the kill is asynchronous).
-    ray.wait([actor.__ray_ready__.remote() for actor in writers], num_returns=len(writers), timeout=timeout_s)
+    if writers:  # a call on a killed actor fails once it is dead: wait for that (kill is asynchronous)
+        ray.wait([actor.__ray_ready__.remote() for actor in writers], num_returns=len(writers), timeout=timeout_s)
     tasks = [
         _remove_on_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
             str(shm_dir), str(record)
