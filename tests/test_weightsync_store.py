@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -383,13 +384,14 @@ def test_private_redis_dies_with_the_process_that_started_it():
             sys.executable,
             "-c",
             "import time; from weightsync.redis_server import LocalRedis; "
-            "s = LocalRedis(); print(s._proc.pid, flush=True); time.sleep(60)",
+            "s = LocalRedis(); print(s._proc.pid, s.socket.parent, flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).resolve().parents[1],
     )
-    server_pid = int(launcher.stdout.readline())
+    pid, folder = launcher.stdout.readline().split()
+    server_pid = int(pid)
     assert Path(f"/proc/{server_pid}").exists()
     launcher.kill()
     launcher.wait()
@@ -397,6 +399,7 @@ def test_private_redis_dies_with_the_process_that_started_it():
     while _alive(server_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(server_pid)
+    shutil.rmtree(folder)  # the killed launcher's (now empty) socket folder
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the server's page faults from /proc")
