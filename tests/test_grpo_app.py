@@ -151,10 +151,10 @@ def test_unreachable_redis_is_a_clear_error_and_writes_nothing(tmp_path, tiny_mo
     assert not out.exists()
 
 
-def test_too_little_shared_memory_stops_the_run_before_any_actor_starts(tiny_model_path, monkeypatch):
+def test_too_little_shared_memory_stops_the_run_before_any_actor_starts(tiny_model_path, monkeypatch, redis_url):
     from safetensors.torch import load_file
 
-    from apps.grpo.__main__ import check_shared_memory
+    from apps.grpo.__main__ import check_data_plane_room
     from weightsync.shm_space import HEADER_SLACK, NotEnoughSharedMemory
 
     weights = load_file(str(Path(tiny_model_path) / "model.safetensors"))
@@ -163,11 +163,37 @@ def test_too_little_shared_memory_stops_the_run_before_any_actor_starts(tiny_mod
     cfg = _compose("weightsync.keep_last=2")
     monkeypatch.setattr("weightsync.shm_space.free_bytes", lambda path: 3 * file_bytes - 1)
     with pytest.raises(NotEnoughSharedMemory, match=r"keep_last=2.*--shm-size"):
-        check_shared_memory(cfg, tiny_model_path, "bfloat16")
+        check_data_plane_room(cfg, tiny_model_path, "bfloat16", redis_url)
     monkeypatch.setattr("weightsync.shm_space.free_bytes", lambda path: 3 * file_bytes)
-    check_shared_memory(cfg, tiny_model_path, "bfloat16")  # 2 kept versions + 1 being written fit
+    check_data_plane_room(cfg, tiny_model_path, "bfloat16", redis_url)  # 2 kept versions + 1 being written fit
     monkeypatch.setattr("weightsync.shm_space.free_bytes", lambda path: 0)
-    check_shared_memory(_compose("weightsync.data_plane=redis"), tiny_model_path, "bfloat16")  # no shm used
+    # No shared memory used, and a Redis without maxmemory has no limit to check.
+    check_data_plane_room(_compose("weightsync.data_plane=redis"), tiny_model_path, "bfloat16", redis_url)
+
+
+def test_a_capped_redis_too_small_for_the_kept_versions_stops_the_run_at_start(tmp_path, tiny_model_path):
+    import redis
+    from safetensors.torch import load_file
+
+    from apps.grpo.__main__ import check_data_plane_room
+    from weightsync.redis_server import LocalRedis
+    from weightsync.redis_space import stored_bytes
+    from weightsync.shm_space import HEADER_SLACK
+
+    weights = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    shard = sum(t.numel() for t in weights.values()) * 4 + HEADER_SLACK + 512 * len(weights)  # float32, 1 rank
+    with LocalRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        used = client.info("memory")["used_memory"]
+        client.config_set("maxmemory", used + 2 * stored_bytes(shard))  # 2 versions of 3 (keep_last=2)
+        plane = ["weightsync.data_plane=redis", f"redis.url={server.url}"]
+        proc = _run_app(f"output_dir={tmp_path}", "run_name=capped", *plane)
+        assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "weight sync needs" in proc.stderr and "of Redis memory" in proc.stderr and "maxmemory" in proc.stderr
+        assert not (tmp_path / "capped").exists()
+        client.config_set("maxmemory", used + 4 * stored_bytes(shard))
+        check_data_plane_room(_compose(*plane), tiny_model_path, "float32", server.url)  # room for 3
+        client.close()
 
 
 def test_existing_output_folder_is_not_overwritten(tmp_path, tiny_model_path):

@@ -162,6 +162,40 @@ def test_a_failed_redis_push_leaves_no_keys(store, client, shm_root, monkeypatch
     assert store.versions() == [] and store.latest() is None
 
 
+def test_a_push_that_redis_refuses_for_memory_is_a_clear_error_and_leaves_no_keys(shm_root):
+    from weightsync.redis_server import LocalRedis
+    from weightsync.redis_space import NotEnoughRedisMemory
+    from weightsync.store import WeightStore
+
+    big = {"w": torch.randn(1024, 1024)}  # 4 MiB
+    with LocalRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 2**20)
+        store = WeightStore(server.url, "capped")
+        with pytest.raises(NotEnoughRedisMemory, match=r"lack of memory \(maxmemory .* MiB in use.*keep_last"):
+            WeightPusher(store, shm_root=shm_root, data_plane="redis").push(big, version=1)
+        assert store.run_keys() == [] and store.versions() == []
+        store.close()
+        client.close()
+
+
+def test_redis_holds_a_pushed_shard_in_about_its_own_bytes(shm_root):
+    """Values of exactly 8 MiB would take 10 MiB each of a capped Redis's maxmemory."""
+    from weightsync.redis_server import LocalRedis
+    from weightsync.store import WeightStore
+
+    state = {f"w{i}": torch.randn(1024, 1024) for i in range(12)}  # 48 MiB
+    with LocalRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        before = client.info("memory")["used_memory"]
+        store = WeightStore(server.url, "footprint")
+        WeightPusher(store, shm_root=shm_root, data_plane="redis").push(state, version=1)
+        grown = client.info("memory")["used_memory"] - before
+        assert grown < 1.05 * 48 * 2**20, grown / 2**20
+        store.close()
+        client.close()
+
+
 def _redis_rss(server) -> int:
     import psutil
 

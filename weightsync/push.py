@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from redis import RedisError
 
 from weightsync.redis_data import PIECE_BYTES, RawRedis, RedisSafetensorsWriter
+from weightsync.redis_space import REDIS_REMEDIES, NotEnoughRedisMemory, out_of_memory, redis_memory
 from weightsync.shm_space import (
     SHM_REMEDIES,
     NotEnoughSharedMemory,
@@ -358,6 +359,14 @@ class WeightPusher:
                     f"its shard ({free_bytes(self.shm_root) / 2**20:.1f} MiB free after removing it; the run "
                     f"keeps weightsync.keep_last={self.keep_last} versions plus any a policy still holds). "
                     + SHM_REMEDIES
+                ) from error
+            if error is not None and self.data_plane == "redis" and out_of_memory(error):
+                memory = redis_memory(self.store.url)
+                limit = f"maxmemory {memory[0] / 2**20:.1f} MiB, {memory[1] / 2**20:.1f} MiB in use" if memory else "?"
+                raise NotEnoughRedisMemory(
+                    f"weight version {version}: Redis at {self.store.url} refused this trainer rank's shard for "
+                    f"lack of memory ({limit} after removing it; the run keeps weightsync.keep_last="
+                    f"{self.keep_last} versions plus any a policy still holds). " + REDIS_REMEDIES
                 ) from error
             raise error or PushFailed(f"weight version {version}: another trainer rank failed to write its part")
         if rank == 0:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from weightsync.failures import caused_by
+
 HEADER_SLACK = 64 * 2**10  # room a shard file needs for its safetensors header (+ 512 per tensor)
 SHM_REMEDIES = (
     "Give the machine more shared memory (in a container: docker run --shm-size=...), point "
@@ -62,17 +64,4 @@ def shard_file_bytes(numel: int, dtype: torch.dtype, tensors: int) -> int:
 
 def no_space(exc: BaseException) -> bool:
     """Was ``exc`` (or a failure DCP wrapped in it, or its cause) "No space left on device"?"""
-    seen = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo += [e.__cause__, e.__context__]
-    return False
+    return caused_by(exc, lambda e: isinstance(e, OSError) and e.errno == errno.ENOSPC)

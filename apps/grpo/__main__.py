@@ -45,27 +45,33 @@ def resolve_model_path(cfg) -> str:
         raise ConfigError(str(e)) from e
 
 
-def check_shared_memory(cfg, model_path: str, sync_dtype: str) -> None:
-    """Stop before any actor starts if ``weightsync.shm_root`` cannot hold the weight versions
-    the run keeps (the model's tensors at the sync dtype, ``keep_last + 1`` times; the trainer
-    ranks check again from their exact shards when they start). Nothing to check for Redis."""
-    if cfg.weightsync.data_plane != "shm":
-        return
+def check_data_plane_room(cfg, model_path: str, sync_dtype: str, redis_url: str) -> None:
+    """Stop before any actor starts if the data plane cannot hold the weight versions the run
+    keeps (the model's tensors at the sync dtype, ``keep_last + 1`` times): free space in
+    ``weightsync.shm_root`` (the trainer ranks check again from their exact shards when they
+    start), or a capped Redis's ``maxmemory`` less what it already uses."""
     from safetensors import safe_open
 
     from weightsync.push import DTYPES
+    from weightsync.redis_space import check_redis_room, redis_memory
     from weightsync.shm_space import check_shm_room, free_bytes, shard_file_bytes
 
+    memory = redis_memory(redis_url) if cfg.weightsync.data_plane == "redis" else None
+    if cfg.weightsync.data_plane == "redis" and memory is None:
+        return  # no limit to check against
     numel = tensors = 0
     for path in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             for key in f.keys():  # noqa: SIM118 (a safetensors file is not iterable)
                 numel += math.prod(f.get_slice(key).get_shape())
                 tensors += 1
-    ranks = cfg.trainer.ranks
+    ranks, keep_last, delta = cfg.trainer.ranks, cfg.weightsync.keep_last, cfg.weightsync.delta
     file_bytes = shard_file_bytes(-(-numel // ranks), DTYPES[sync_dtype], tensors)
+    if memory is not None:
+        check_redis_room(redis_url, *memory, ranks, file_bytes, keep_last, delta)
+        return
     root = cfg.weightsync.shm_root
-    check_shm_room(root, free_bytes(root), ranks, file_bytes, cfg.weightsync.keep_last, cfg.weightsync.delta)
+    check_shm_room(root, free_bytes(root), ranks, file_bytes, keep_last, delta)
 
 
 def check_output_dir(cfg) -> Path:
@@ -200,7 +206,7 @@ def run(cfg, console: Console) -> dict:
         stack.callback(_remove_engine_files, engine_record, console)
         if cfg.redis.url:
             stack.callback(_remove_store_keys, redis_url, cfg.run_name, console)
-        check_shared_memory(cfg, model_path, policy_dtype)
+        check_data_plane_room(cfg, model_path, policy_dtype, redis_url)
         prepare_output_dir(cfg, out_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["path"] = model_path
@@ -274,11 +280,12 @@ def main(cfg) -> None:
     console = Console(soft_wrap=True)
     from checkpointing.folders import CheckpointError
     from weightsync.redis_server import RedisUnavailable
+    from weightsync.redis_space import NotEnoughRedisMemory
     from weightsync.shm_space import NotEnoughSharedMemory
 
     try:
         result = run(cfg, console)
-    except (ConfigError, RedisUnavailable, CheckpointError, NotEnoughSharedMemory) as e:
+    except (ConfigError, RedisUnavailable, CheckpointError, NotEnoughSharedMemory, NotEnoughRedisMemory) as e:
         cause = getattr(e, "cause", None) or e  # an actor's error arrives wrapped with its traceback
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {cause}", markup=True, highlight=False)
         sys.exit(2)
