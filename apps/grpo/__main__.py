@@ -188,6 +188,8 @@ def run(cfg, console: Console) -> dict:
             raise ConfigError(
                 f"run {cfg.run_name!r} is running on this host already (launcher {e}); choose another run_name=..."
             ) from None
+        except OSError as e:
+            raise ConfigError(f"weightsync.shm_root: cannot make the run's lock file there ({e})") from e
         if cfg.redis.url:
             check_store_of_earlier_run(cfg, redis_url, console)
         if shm_dir.exists() and (not cfg.redis.url or cfg.overwrite or cfg.resume):
