@@ -284,12 +284,13 @@ class WeightStore:
 
     def clear_run(self) -> tuple[int, int]:
         """Delete every key of this run (between runs, never while one runs). Returns the keys
-        deleted and the bytes Redis reported for them (``MEMORY USAGE``)."""
+        deleted and the bytes Redis reported for them (``MEMORY USAGE``; 0 where a server does
+        not allow that command: the keys go all the same)."""
         keys = self.run_keys()
         pipe = self._r.pipeline(transaction=False)
         for key in keys:
             pipe.memory_usage(key, samples=0)
-        held = sum(n or 0 for n in pipe.execute()) if keys else 0
+        held = sum(n for n in pipe.execute(raise_on_error=False) if isinstance(n, int)) if keys else 0
         self._delete(keys)
         return len(keys), held
 
