@@ -7,6 +7,9 @@ DCP shard, and rank 0 commits the version.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -21,6 +24,18 @@ def perturbed_model(model_path: str, seed: int, scale: float = 0.05):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
     return model
+
+
+def _leave() -> None:
+    """End a rank whose work is done without the interpreter's finalization. There, PyTorch 2.13
+    with gloo and FSDP2 now and then aborts the process ("terminate called without an active
+    exception", SIGABRT): seen once in a CI run of the 2-rank Redis parity case and once in 50
+    local runs of that push while a GRPO run loaded the machine. The rank that finishes first
+    (not rank 0, which commits) dies, and mp.spawn reports a failure for work that succeeded.
+    Failures before this point still reach mp.spawn as exceptions."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _rank_main(rank, world, init_file, model_path, seed, redis_url, run, shm_root, version, dtype, data_plane):
@@ -40,6 +55,7 @@ def _rank_main(rank, world, init_file, model_path, seed, redis_url, run, shm_roo
         pusher.push(model.state_dict(), version)
     finally:
         dist.destroy_process_group()
+    _leave()
 
 
 def push_from_ranks(
@@ -100,6 +116,7 @@ def _versions_main(
             json.dump(stats, f)
     finally:
         dist.destroy_process_group()
+    _leave()
 
 
 def push_versions_from_ranks(
