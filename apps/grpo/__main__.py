@@ -157,8 +157,8 @@ def run(cfg, console: Console) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from actors.engine_shm import remove_recorded
     from apps.grpo.loop import engine_files_record, resume_from_checkpoint, run_grpo, start_actors
+    from apps.grpo.node_cleanup import remove_run_files
     from apps.grpo.run_lock import RunLock, RunLocked, lock_path
     from tasks.arithmetic import ArithmeticTask
     from weightsync.push import run_dir
@@ -196,9 +196,7 @@ def run(cfg, console: Console) -> dict:
             # A run of this name killed without cleanup (SIGKILL, OOM, power): not alive (the lock),
             # and no store can reference its files: a private Redis died with it, a shared one's
             # keys of this run were just removed. Otherwise they may belong to a run on another host.
-            leftover = remove_recorded(engine_record)  # its vLLM engine's queues, if it died starting
-            leftover += sum(f.stat().st_size for f in shm_dir.rglob("*") if f.is_file())
-            shutil.rmtree(shm_dir, ignore_errors=True)
+            leftover = remove_run_files(shm_dir, engine_record)  # with its engine's queues, if it died starting
             console.print(f"removed {leftover / 2**20:.1f} MiB of shared memory left by an earlier run ({shm_dir})")
         # Removed from here, not by the actors, so that it happens even if they died: after
         # ray.shutdown (registered later, so it runs first), the engine's shared-memory queues
