@@ -114,6 +114,24 @@ def test_retire_deletes_the_data_keys_with_the_version(store, client, shm_root):
     assert not any(":data" in k for k in _keys(client, store.run))
 
 
+def test_removing_a_runs_data_leaves_runs_its_name_matches_as_a_pattern(redis_url, shm_root):
+    from weightsync.store import WeightStore
+
+    tag = uuid.uuid4().hex[:6]
+    stores = [WeightStore(redis_url, name) for name in (f"a*{tag}", f"ab{tag}")]
+    try:
+        pushers = [WeightPusher(s, shm_root=shm_root, keep_last=1, data_plane="redis") for s in stores]
+        for pusher in pushers:
+            pusher.push(_state_dict(1), 1)
+        pushers[0].remove_all()
+        assert not any(b":data:" in k for k in stores[0].run_keys())
+        assert any(b":data:" in k for k in stores[1].run_keys()) and stores[1].use_counts() == {"1:0": 1}
+    finally:
+        for store in stores:
+            store.clear_run()
+            store.close()
+
+
 def test_clearing_a_run_deletes_all_its_keys_and_no_other_runs(redis_url, client, shm_root):
     """Between runs of one name on a shared Redis: versions, leases, data and reservations go;
     runs whose names match the first one's as a glob pattern keep theirs."""

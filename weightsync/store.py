@@ -273,7 +273,7 @@ class WeightStore:
 
     def drop_all_data(self) -> None:
         """Delete every unit's Redis data keys of this run and the use counts (at the end of a run)."""
-        for data_set in self._r.scan_iter(match=self._key("unit", "*"), count=1000):
+        for data_set in self._r.scan_iter(match=_glob_escaped(self._key("unit", "")) + "*", count=1000):
             self._delete(list(self._r.smembers(data_set)))
             self._r.delete(data_set)
         self._r.delete(self._key("refs"))
