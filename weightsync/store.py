@@ -282,11 +282,12 @@ class WeightStore:
         """Every key this run has in Redis: versions, leases, parts, data, reservations."""
         return list(self._r.scan_iter(match=_glob_escaped(self._key("")) + "*", count=1000))
 
-    def clear_run(self) -> tuple[int, int]:
-        """Delete every key of this run (between runs, never while one runs). Returns the keys
+    def clear_run(self, keys: list[bytes] | None = None) -> tuple[int, int]:
+        """Delete every key of this run (between runs, never while one runs); ``keys``: what
+        ``run_keys`` just returned, to spare a second SCAN of the whole keyspace. Returns the keys
         deleted and the bytes Redis reported for them (``MEMORY USAGE``; 0 where a server does
         not allow that command: the keys go all the same)."""
-        keys = self.run_keys()
+        keys = self.run_keys() if keys is None else keys
         pipe = self._r.pipeline(transaction=False)
         for key in keys:
             pipe.memory_usage(key, samples=0)

@@ -106,7 +106,8 @@ def check_store_of_earlier_run(cfg, redis_url: str, console: Console) -> None:
 
     store = WeightStore(redis_url, cfg.run_name)
     try:
-        if not store.run_keys():
+        stale = store.run_keys()
+        if not stale:
             return
         if not (cfg.overwrite or cfg.resume):
             raise ConfigError(
@@ -114,7 +115,7 @@ def check_store_of_earlier_run(cfg, redis_url: str, console: Console) -> None:
                 "of this name that did not finish, or used by one running now: choose another run_name=..., or "
                 "pass overwrite=true (or resume=true) to remove them"
             )
-        keys, held = store.clear_run()
+        keys, held = store.clear_run(stale)
         console.print(f"removed {keys} Redis keys ({held / 2**20:.1f} MiB) that an earlier run {cfg.run_name!r} left")
     finally:
         store.close()
