@@ -25,16 +25,18 @@ class TrainerGroup:
         run: str,
         *,
         use_cuda: bool = False,
+        actor_options: dict | None = None,
         micro_batch_size: int | None = None,
         **options,
     ):
-        """``options`` are ``TrainerRank``'s keyword arguments; ``start()`` forms the group."""
+        """``options`` are ``TrainerRank``'s keyword arguments; ``start()`` forms the group.
+        ``actor_options``: Ray options for every rank (where to run it)."""
         if ranks < 1:
             raise ValueError(f"trainer.ranks={ranks} must be >= 1")
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size={micro_batch_size} must be >= 1")
         self.ranks = [
-            TrainerRank.options(num_gpus=1 if use_cuda else 0).remote(
+            TrainerRank.options(num_gpus=1 if use_cuda else 0, **(actor_options or {})).remote(
                 rank, ranks, model_path, redis_url, run, **options
             )
             for rank in range(ranks)

@@ -19,7 +19,7 @@ from actors.reward import Reward
 from actors.trainer_group import TrainerGroup
 from algos.episodes import Episode, assign_advantages
 from apps.grpo import interrupts
-from apps.grpo.config import ConfigError
+from apps.grpo.placement import check_data_plane_placement, check_redis_placement, weight_sync_actor_options
 from checkpointing import folders
 from tasks.arithmetic import ArithmeticTask, Problem
 from weightsync.push import run_dir
@@ -47,7 +47,9 @@ def start_actors(
     as they are made, so that the launcher can end them even if this start is interrupted."""
     run = cfg.run_name
     writers = [] if writers is None else writers
-    policy = Policy.options(num_gpus=cfg.policy.tp if use_cuda else 0).remote(
+    gpus = cfg.policy.tp + cfg.trainer.ranks if use_cuda else 0
+    where = weight_sync_actor_options(cfg, gpus)  # one node for the shm plane or the private Redis
+    policy = Policy.options(num_gpus=cfg.policy.tp if use_cuda else 0, **where).remote(
         model_path,
         redis_url,
         run,
@@ -68,6 +70,7 @@ def start_actors(
         redis_url,
         run,
         use_cuda=use_cuda,
+        actor_options=where,
         micro_batch_size=cfg.trainer.micro_batch_size,
         lr=cfg.trainer.lr,
         lr_schedule=cfg.trainer.lr_schedule,
@@ -110,35 +113,6 @@ def start_actors(
     check_data_plane_placement(cfg.weightsync.data_plane, policy_node, trainer_nodes)
     trainer.start()
     return actors
-
-
-def check_redis_placement(redis_url: str | None, launcher_host: str, hosts: dict[str, str]) -> None:
-    """Without ``redis.url`` the launcher's private Redis listens on a Unix socket on its own host
-    (never on the network): said at start when Ray placed an actor that needs it on another
-    host (``hosts``: actor -> its node's address), not as a connection error at the first push."""
-    if redis_url:
-        return
-    away = [actor for actor, host in hosts.items() if host != launcher_host]
-    if away:
-        raise ConfigError(
-            f"without redis.url the launcher starts a private Redis on a Unix socket on its own host "
-            f"({launcher_host}), but Ray placed {', '.join(away)} on {hosts[away[0]]}, which cannot reach it. "
-            "Start a Redis that the Ray nodes can reach and pass redis.url=redis://<host>:<port>."
-        )
-
-
-def check_data_plane_placement(data_plane: str, policy_node: str, trainer_nodes: list[str]) -> None:
-    """The shared-memory data plane is files in one host's /dev/shm: every trainer rank must run
-    on the policy's node. Said at start, not as a missing shard file at the first update."""
-    if data_plane != "shm":
-        return
-    away = sorted({i for i, node in enumerate(trainer_nodes) if node != policy_node})
-    if away:
-        raise ConfigError(
-            f"weightsync.data_plane=shm needs the trainer ranks on the policy's node, but Ray placed "
-            f"trainer rank(s) {away} on another node ({trainer_nodes[away[0]][:12]}... vs the policy's "
-            f"{policy_node[:12]}...). Use weightsync.data_plane=redis across nodes."
-        )
 
 
 @dataclass

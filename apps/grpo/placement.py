@@ -1,0 +1,103 @@
+"""Where the weight-sync actors run: the policy and the trainer ranks.
+
+Two set-ups need the policy and every trainer rank on one machine: the shared-memory data plane
+(``weightsync.data_plane=shm``: files in one host's /dev/shm) and the launcher's private Redis
+(no ``redis.url``: a Unix socket on the launcher's host). Ray places actors that ask for no CPU
+on any node of a cluster, so there the launcher picks one node and pins those actors to it
+(``NodeAffinitySchedulingStrategy``, not a placement group: vLLM would take a placement group
+for its own and switch to its Ray executor). The node is the launcher's own when it has the
+GPUs; otherwise, with a shared Redis, another node that has them (with the private Redis it
+must be on the launcher's host). A cluster without such a node stops the run at start, saying
+what it needs, rather than leaving the actors pending for ever.
+
+With ``data_plane=redis`` and ``redis.url`` Ray places them freely. After the actors started,
+``check_redis_placement`` and ``check_data_plane_placement`` check where they are.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from apps.grpo.config import ConfigError
+
+
+def needs_one_host(data_plane: str, redis_url: str | None) -> bool:
+    """Whether the policy and the trainer ranks must share a node (see the module's doc)."""
+    return data_plane == "shm" or not redis_url
+
+
+def choose_node(nodes: list[dict], launcher_node: str, gpus: int, launcher_host_only: bool, why: str) -> str:
+    """The node for the policy and the trainer ranks: ``gpus`` GPUs in all (0 on CPU).
+
+    ``nodes``: ``ray.nodes()``. The launcher's node when it has them, else (unless
+    ``launcher_host_only``: then only nodes at the launcher's address) the alive node with the
+    most GPUs. ``why``: what makes one node necessary, for the error."""
+    alive = [n for n in nodes if n["Alive"]]
+    launcher = next((n for n in alive if n["NodeID"] == launcher_node), None)
+    if launcher is None:
+        raise ValueError(f"the launcher's node {launcher_node} is not among Ray's alive nodes")
+    if launcher_host_only:
+        alive = [n for n in alive if n["NodeManagerAddress"] == launcher["NodeManagerAddress"]]
+
+    def fits(node: dict) -> bool:
+        return node["Resources"].get("GPU", 0) >= gpus
+
+    if fits(launcher):
+        return launcher_node
+    others = sorted((n for n in alive if fits(n)), key=lambda n: (-n["Resources"].get("GPU", 0), n["NodeID"]))
+    if others:
+        return others[0]["NodeID"]
+    have = ", ".join(
+        f"{n['NodeID'][:12]}... at {n['NodeManagerAddress']}: {n['Resources'].get('GPU', 0):g}" for n in alive
+    )
+    where = "a node on the launcher's host" if launcher_host_only else "one node"
+    hint = (
+        " A Redis every node reaches (redis.url=redis://<host>:<port>) lets them use other hosts." * launcher_host_only
+    )
+    raise ConfigError(
+        f"{why}: the policy and the trainer ranks need {gpus} GPUs on {where} "
+        f"(policy.tp + trainer.ranks), and no such Ray node has that many (GPUs per node: {have}).{hint}"
+    )
+
+
+def weight_sync_actor_options(cfg, gpus: int) -> dict:
+    """Ray options that put the policy and the trainer ranks where the run's weight sync needs
+    them: ``{}`` where any node will do. Call with Ray up (it reads ``ray.nodes()``)."""
+    data_plane, redis_url = cfg.weightsync.data_plane, cfg.redis.url
+    if not needs_one_host(data_plane, redis_url):
+        return {}
+    why = "weightsync.data_plane=shm" if data_plane == "shm" else "without redis.url (a private Redis on a Unix socket)"
+    node = choose_node(
+        ray.nodes(), ray.get_runtime_context().get_node_id(), gpus, launcher_host_only=not redis_url, why=why
+    )
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+
+def check_redis_placement(redis_url: str | None, launcher_host: str, hosts: dict[str, str]) -> None:
+    """Without ``redis.url`` the launcher's private Redis listens on a Unix socket on its own host
+    (never on the network): said at start when Ray placed an actor that needs it on another
+    host (``hosts``: actor -> its node's address), not as a connection error at the first push."""
+    if redis_url:
+        return
+    away = [actor for actor, host in hosts.items() if host != launcher_host]
+    if away:
+        raise ConfigError(
+            f"without redis.url the launcher starts a private Redis on a Unix socket on its own host "
+            f"({launcher_host}), but Ray placed {', '.join(away)} on {hosts[away[0]]}, which cannot reach it. "
+            "Start a Redis that the Ray nodes can reach and pass redis.url=redis://<host>:<port>."
+        )
+
+
+def check_data_plane_placement(data_plane: str, policy_node: str, trainer_nodes: list[str]) -> None:
+    """The shared-memory data plane is files in one host's /dev/shm: every trainer rank must run
+    on the policy's node. Said at start, not as a missing shard file at the first update."""
+    if data_plane != "shm":
+        return
+    away = sorted({i for i, node in enumerate(trainer_nodes) if node != policy_node})
+    if away:
+        raise ConfigError(
+            f"weightsync.data_plane=shm needs the trainer ranks on the policy's node, but Ray placed "
+            f"trainer rank(s) {away} on another node ({trainer_nodes[away[0]][:12]}... vs the policy's "
+            f"{policy_node[:12]}...). Use weightsync.data_plane=redis across nodes."
+        )

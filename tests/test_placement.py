@@ -1,0 +1,148 @@
+"""Where the policy and the trainer ranks run (``apps.grpo.placement``)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apps.grpo.config import ConfigError
+from apps.grpo.placement import (
+    check_data_plane_placement,
+    check_redis_placement,
+    choose_node,
+    needs_one_host,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def node(node_id: str, address: str = "10.0.0.1", gpus: float = 0, alive: bool = True) -> dict:
+    """An entry as ``ray.nodes()`` gives it (the keys ``choose_node`` reads)."""
+    resources = {"CPU": 8.0, f"node:{address}": 1.0} | ({"GPU": float(gpus)} if gpus else {})
+    return {"NodeID": node_id, "Alive": alive, "NodeManagerAddress": address, "Resources": resources}
+
+
+def test_one_node_is_needed_for_the_shm_plane_or_the_private_redis():
+    assert needs_one_host("shm", "redis://10.0.0.9:6379")
+    assert needs_one_host("redis", None)  # the private Redis is a Unix socket on the launcher's host
+    assert not needs_one_host("redis", "redis://10.0.0.9:6379")
+
+
+def test_the_launchers_node_is_chosen_when_it_has_the_gpus():
+    nodes = [node("b", "10.0.0.2", gpus=8), node("a", gpus=4)]
+    assert choose_node(nodes, "a", 0, launcher_host_only=False, why="x") == "a"  # CPU: always the launcher's
+    assert choose_node(nodes, "a", 4, launcher_host_only=True, why="x") == "a"
+    assert choose_node(nodes, "a", 5, launcher_host_only=False, why="x") == "b"
+
+
+def test_another_node_is_the_one_with_most_gpus_and_alive():
+    nodes = [
+        node("a", gpus=1),
+        node("b", "10.0.0.2", gpus=8, alive=False),
+        node("c", "10.0.0.3", gpus=4),
+        node("d", "10.0.0.4", gpus=6),
+    ]
+    assert choose_node(nodes, "a", 3, launcher_host_only=False, why="x") == "d"
+
+
+def test_the_private_redis_keeps_them_on_the_launchers_host():
+    nodes = [node("a", gpus=1), node("b", "10.0.0.2", gpus=8), node("c", gpus=4)]  # c: same host as a
+    assert choose_node(nodes, "a", 3, launcher_host_only=True, why="x") == "c"
+    with pytest.raises(
+        ConfigError,
+        match=r"no redis\.url: .*need 5 GPUs on a node on the launcher's host.*c\.\.\. at 10\.0\.0\.1: 4\)\. A Redis every node reaches \(redis\.url=",
+    ):
+        choose_node(nodes, "a", 5, launcher_host_only=True, why="no redis.url")
+
+
+def test_a_cluster_without_room_on_one_node_is_refused_naming_what_each_node_has():
+    nodes = [node("a", gpus=2), node("b", "10.0.0.2", gpus=2)]
+    with pytest.raises(
+        ConfigError,
+        match=r"^data_plane=shm: .* need 3 GPUs on one node .*a\.\.\. at 10\.0\.0\.1: 2, b\.\.\. at 10\.0\.0\.2: 2",
+    ):
+        choose_node(nodes, "a", 3, launcher_host_only=False, why="data_plane=shm")
+
+
+def test_shm_data_plane_refuses_trainer_ranks_off_the_policys_node():
+
+    check_data_plane_placement("shm", "node-a", ["node-a", "node-a"])
+    check_data_plane_placement("redis", "node-a", ["node-b", "node-a"])  # Redis serves any node
+    with pytest.raises(ConfigError, match=r"trainer rank\(s\) \[1\] on another node.*data_plane=redis"):
+        check_data_plane_placement("shm", "node-a", ["node-a", "node-b"])
+
+
+def test_a_private_redis_is_refused_for_actors_on_another_host():
+
+    local = {"the policy": "10.0.0.1", "trainer rank 0": "10.0.0.1"}
+    check_redis_placement(None, "10.0.0.1", local)  # Ray nodes on the launcher's host reach its socket
+    check_redis_placement("redis://10.0.0.9:6379", "10.0.0.1", local | {"trainer rank 1": "10.0.0.2"})
+    with pytest.raises(ConfigError, match=r"placed the policy, trainer rank 1 on 10\.0\.0\.2.*redis\.url=redis://"):
+        check_redis_placement(
+            None, "10.0.0.1", {"the policy": "10.0.0.2", "trainer rank 0": "10.0.0.1", "trainer rank 1": "10.0.0.2"}
+        )
+
+
+# Apart from the test session's one-node Ray: a head node (the launcher's, no GPU) and a second
+# node with two (Ray's GPU resource only: nothing here uses a GPU). Ray spreads actors that ask
+# for no CPU over both nodes at random (about half on each, seen here).
+CLUSTER = r"""
+import json, sys
+import ray
+from omegaconf import OmegaConf
+from ray.cluster_utils import Cluster
+from actors.trainer_group import TrainerGroup
+from apps.grpo.config import ConfigError
+from apps.grpo.placement import weight_sync_actor_options
+
+model, redis_url, shm_root = sys.argv[1:4]
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
+cluster.add_node(num_cpus=1, num_gpus=2)
+ray.init(address=cluster.address, log_to_driver=False)
+cluster.wait_for_nodes()
+
+def cfg(data_plane, url):
+    return OmegaConf.create({"weightsync": {"data_plane": data_plane}, "redis": {"url": url}})
+
+@ray.remote(num_cpus=0)
+def node_of_task():
+    return ray.get_runtime_context().get_node_id()
+
+out = {"head": ray.get_runtime_context().get_node_id()}
+out["free"] = weight_sync_actor_options(cfg("redis", "redis://10.0.0.9:6379"), 2)
+# CPU run, shm plane, private Redis: real trainer ranks (the tiny model), pinned like the launcher's
+where = weight_sync_actor_options(cfg("shm", None), 0)
+group = TrainerGroup(2, model, redis_url, "placement", actor_options=where, shm_root=shm_root, lr=1e-3, loss={})
+tasks = [node_of_task.options(**where).remote() for _ in range(6)]
+out["ranks"] = ray.get([r.node_id.remote() for r in group.ranks])
+out["tasks"] = ray.get(tasks)
+# 2 GPUs for the policy and the ranks: not on the launcher's node, so the other one
+where = weight_sync_actor_options(cfg("shm", "redis://10.0.0.9:6379"), 2)
+out["gpu"] = ray.get([node_of_task.options(num_gpus=1, **where).remote() for _ in range(2)])
+try:
+    weight_sync_actor_options(cfg("shm", None), 3)
+except ConfigError as e:
+    out["refused"] = str(e)
+print(json.dumps(out))
+ray.shutdown()
+cluster.shutdown()
+"""
+
+
+def test_on_a_cluster_the_policy_and_trainer_ranks_are_pinned_to_one_node(tiny_model_path, redis_url, shm_root):
+    proc = subprocess.run(
+        [sys.executable, "-c", CLUSTER, tiny_model_path, redis_url, str(shm_root)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["free"] == {}  # data_plane=redis with a shared Redis: Ray places them
+    assert out["ranks"] == [out["head"]] * 2  # the launcher's node (unpinned: both there 1 time in 4)
+    assert out["tasks"] == [out["head"]] * 6
+    assert len(set(out["gpu"])) == 1 and out["gpu"][0] != out["head"]
+    assert "need 3 GPUs on a node on the launcher's host" in out["refused"]
