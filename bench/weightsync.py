@@ -1,7 +1,8 @@
 """Weight-sync benchmark: ``python -m bench.weightsync [--sizes small,medium,large] [--ranks 1,2] [--tp 1,2]``.
 
 Synthetic Qwen3-shaped models (random weights, no downloads) at three sizes up to ~1 GiB. For
-each size, trainer ranks and vLLM TP degree (a row each), in one run, it measures:
+each size, trainer ranks and vLLM TP degree (a column of the printed table each, a row of the
+JSON), in one run, it measures:
 
 - push: the trainer ranks write the state dict as DCP safetensors shards in /dev/shm and rank 0
   commits. One rank: the driver pushes the state dict. Two ranks: two processes in a gloo
@@ -822,110 +823,76 @@ def _pair(row: dict, first: str, second: str) -> str:
     return "-" if row[first] is None else f"{row[first]:.3f} / {row[second]:.3f}"
 
 
+def _fmt(key: str, spec: str, scale: float = 1.0):
+    """A metric's cell: ``row[key] / scale`` formatted ("-" where not measured)."""
+    return lambda r: "-" if r.get(key) is None else format(r[key] / scale, spec)
+
+
+def _checked(key: str):
+    """A baseline's logprob difference, marked "!" where its check failed."""
+    return lambda r: f"{r[key]:.1e}" + ("" if r["baseline_a_check_ok"] else "!")
+
+
+# One table row per metric, one column per case (size x trainer ranks x TP): the cases are few,
+# the metrics many, so the table fits a terminal or a log file. Labels are the module doc's.
+METRICS = [
+    ("model MiB", _fmt("model_bytes", ".0f", 2**20)),
+    ("push s", _fmt("push_s", ".3f")),
+    ("update s", _fmt("update_s", ".3f")),
+    ("1st push s", _fmt("first_push_s", ".3f")),
+    ("1st upd s", _fmt("first_update_s", ".3f")),
+    ("repack s", _fmt("repack_s", ".3f")),
+    ("floor s", _fmt("memcpy_floor_s", ".3f")),
+    ("upd/floor", _fmt("update_over_floor", ".1f")),
+    ("read frac", _fmt("read_fraction_max", ".2f")),
+    ("RSS+ MiB", _fmt("worker_rss_growth_bytes_max", ".0f", 2**20)),
+    ("base a s", _fmt("baseline_a_s", ".3f")),
+    ("a gather s", _fmt("baseline_a_gather_s", ".3f")),
+    ("x base a", _fmt("speedup_vs_baseline_a", ".1f")),
+    ("a lp diff", _checked("baseline_a_logprob_maxdiff")),
+    ("base b s", _fmt("baseline_b_s", ".3f")),
+    ("x base b", _fmt("speedup_vs_baseline_b", ".1f")),
+    ("b lp diff", _checked("baseline_b_logprob_maxdiff")),
+    ("cksum s/GiB", _fmt("checksum_s_per_gib", ".3f")),
+    ("upd noverify s", _fmt("update_noverify_s", ".3f")),
+    ("R push s", _fmt("redis_push_s", ".3f")),
+    ("R update s", _fmt("redis_update_s", ".3f")),
+    ("R x base b", _fmt("redis_push_update_speedup_vs_baseline_b", ".1f")),
+    ("R plane s", _fmt("redis_plane_roundtrip_s", ".3f")),
+    ("R plane x redis", _fmt("redis_plane_speedup_vs_redis_py", ".1f")),
+    ("R read x GET", _fmt("redis_plane_read_speedup_vs_get", ".1f")),
+    ("R sock floor s", _fmt("redis_plane_socket_floor_s", ".3f")),
+    ("R plane/floor", _fmt("redis_plane_over_floor", ".1f")),
+    ("D push s", _fmt("delta_push_s", ".3f")),
+    ("D update s", _fmt("delta_update_s", ".3f")),
+    ("D saved", _fmt("delta_saved_fraction", ".2f")),
+    ("D upd read", _fmt("delta_update_read_fraction", ".2f")),
+    ("D lp diff", _fmt("delta_logprob_maxdiff_vs_whole", ".1e")),
+    ("bf16 D saved", _fmt("delta_bf16_saved_fraction", ".3f")),
+    ("bf16 same elems", _fmt("delta_bf16_same_elements", ".3f")),
+    ("P saved", _fmt("patch_bf16_saved_fraction", ".3f")),
+    ("P upd read", _fmt("patch_update_read_fraction", ".3f")),
+    ("P push/upd s", lambda r: _pair(r, "patch_push_s", "patch_update_s")),
+    ("W push/upd s", lambda r: _pair(r, "patch_whole_push_s", "patch_whole_update_s")),
+    ("PR push/upd s", lambda r: _pair(r, "patch_redis_push_s", "patch_redis_update_s")),
+    ("WR push/upd s", lambda r: _pair(r, "patch_redis_whole_push_s", "patch_redis_whole_update_s")),
+    ("P lp diff", _fmt("patch_logprob_maxdiff_vs_whole", ".1e")),
+]
+
+
 def print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="weight sync (median of repeats; baselines once)")
-    for col in [
-        "size",
-        "MiB",
-        "ranks",
-        "tp",
-        "push s",
-        "update s",
-        "1st push s",
-        "1st upd s",
-        "repack s",
-        "floor s",
-        "upd/floor",
-        "read frac",
-        "RSS+ MiB",
-        "base a s",
-        "a gather s",
-        "x base a",
-        "a lp diff",
-        "base b s",
-        "x base b",
-        "b lp diff",
-        "cksum s/GiB",
-        "upd noverify s",
-        "R push s",
-        "R update s",
-        "R x base b",
-        "R plane s",
-        "R plane x redis",
-        "R read x GET",
-        "R sock floor s",
-        "R plane/floor",
-        "D push s",
-        "D update s",
-        "D saved",
-        "D upd read",
-        "D lp diff",
-        "bf16 D saved",
-        "bf16 same elems",
-        "P saved",
-        "P upd read",
-        "P push/upd s",
-        "W push/upd s",
-        "PR push/upd s",
-        "WR push/upd s",
-        "P lp diff",
-    ]:
-        table.add_column(col, justify="right")
-
-    def f(value, fmt):
-        return "-" if value is None else format(value, fmt)
-
+    table.add_column("case")
     for r in rows:
-        table.add_row(
-            r["size"],
-            f"{r['model_bytes'] / 2**20:.0f}",
-            str(r["trainer_ranks"]),
-            str(r["tp"]),
-            f"{r['push_s']:.3f}",
-            f"{r['update_s']:.3f}",
-            f"{r['first_push_s']:.3f}",
-            f"{r['first_update_s']:.3f}",
-            f"{r['repack_s']:.3f}",
-            f"{r['memcpy_floor_s']:.3f}",
-            f"{r['update_over_floor']:.1f}",
-            f"{r['read_fraction_max']:.2f}",
-            f"{r['worker_rss_growth_bytes_max'] / 2**20:.0f}",
-            f"{r['baseline_a_s']:.3f}",
-            f"{r['baseline_a_gather_s']:.3f}",
-            f"{r['speedup_vs_baseline_a']:.1f}",
-            f"{r['baseline_a_logprob_maxdiff']:.1e}" + ("" if r["baseline_a_check_ok"] else "!"),
-            f"{r['baseline_b_s']:.3f}",
-            f"{r['speedup_vs_baseline_b']:.1f}",
-            f"{r['baseline_b_logprob_maxdiff']:.1e}" + ("" if r["baseline_a_check_ok"] else "!"),
-            f(r["checksum_s_per_gib"], ".3f"),
-            f(r["update_noverify_s"], ".3f"),
-            f(r["redis_push_s"], ".3f"),
-            f(r["redis_update_s"], ".3f"),
-            f(r["redis_push_update_speedup_vs_baseline_b"], ".1f"),
-            f(r["redis_plane_roundtrip_s"], ".3f"),
-            f(r["redis_plane_speedup_vs_redis_py"], ".1f"),
-            f(r["redis_plane_read_speedup_vs_get"], ".1f"),
-            f(r.get("redis_plane_socket_floor_s"), ".3f"),
-            f(r.get("redis_plane_over_floor"), ".1f"),
-            f(r["delta_push_s"], ".3f"),
-            f(r["delta_update_s"], ".3f"),
-            f(r["delta_saved_fraction"], ".2f"),
-            f(r["delta_update_read_fraction"], ".2f"),
-            f(r["delta_logprob_maxdiff_vs_whole"], ".1e"),
-            f(r["delta_bf16_saved_fraction"], ".3f"),
-            f(r["delta_bf16_same_elements"], ".3f"),
-            f(r["patch_bf16_saved_fraction"], ".3f"),
-            f(r["patch_update_read_fraction"], ".3f"),
-            _pair(r, "patch_push_s", "patch_update_s"),
-            _pair(r, "patch_whole_push_s", "patch_whole_update_s"),
-            _pair(r, "patch_redis_push_s", "patch_redis_update_s"),
-            _pair(r, "patch_redis_whole_push_s", "patch_redis_whole_update_s"),
-            f(r["patch_logprob_maxdiff_vs_whole"], ".1e"),
+        table.add_column(
+            f"{r['size']}\n{r['trainer_ranks']} rank{'s' * (r['trainer_ranks'] > 1)}\ntp {r['tp']}", justify="right"
         )
-    console = Console(width=300)
+    for label, cell in METRICS:
+        table.add_row(label, *(cell(r) for r in rows))
+    console = Console(width=max(100, 18 + 16 * len(rows)))
     console.print(table)
     shown = set()  # measured once per size (every one-rank row carries it)
     for r in rows:
