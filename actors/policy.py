@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import ray
 
+from actors.engine_errors import engine_start_error, is_engine_start_failure, log_sizes, own_logs
 from actors.engine_shm import EngineFileRecord, private_ipc_dir, remove_ipc_dir
 from weightsync.store import WeightStore
 
@@ -48,15 +49,18 @@ class Policy:
         listed while it starts, for the launcher to remove if this actor dies before it stops
         the engine (``actors.engine_shm``); None: not recorded."""
         self.verify = verify  # check the tile checksums of every slice read in an update
+        if omp_threads_bind:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind
+        else:
+            _bind_tp_workers_on_cpu(tp)
         # The engine's ZeroMQ sockets go to a folder of its own, removed when it stops (vLLM
         # leaves them in the temp folder otherwise; see actors.engine_shm).
         self.ipc_dir = private_ipc_dir()
         os.environ["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
         self.engine_files = EngineFileRecord(engine_files_record, ipc_dir=self.ipc_dir) if engine_files_record else None
-        if omp_threads_bind:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind
         from vllm import LLM
 
+        logs_before = log_sizes(own_logs())
         try:
             self.llm = LLM(
                 model=model_path,
@@ -68,8 +72,12 @@ class Policy:
                 seed=seed,
                 worker_extension_cls=EXTENSION,
             )
-        except BaseException:
+        except BaseException as e:
             remove_ipc_dir(self.ipc_dir)  # the start failed: nothing will use these sockets
+            # vLLM says only "Engine core initialization failed. See root cause above": name it.
+            reason = engine_start_error(logs_before) if is_engine_start_failure(e) else None
+            if reason is not None:
+                raise reason from e
             raise
         # Dense buffers for the weights vLLM-cpu repacks, allocated and touched now rather than
         # in the first weight update (see WeightSyncExtension.prepare_weight_updates).
@@ -189,3 +197,22 @@ class Policy:
         if self.engine_files is not None:
             self.engine_files.remove()  # what the shutdown left, if anything
         remove_ipc_dir(self.ipc_dir)
+
+
+def _bind_tp_workers_on_cpu(tp: int) -> None:
+    """On vLLM-cpu, give each TP worker its own share of this machine's cores where vLLM's
+    ``auto`` binding would refuse (fewer NUMA nodes than workers; see ``actors.cpu_binding``).
+    A ``VLLM_CPU_OMP_THREADS_BIND`` set by the user other than ``auto`` is left alone."""
+    if tp <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.utils.cpu_resource_utils as cpus
+
+    from actors.cpu_binding import tp_thread_binding
+
+    binding = tp_thread_binding(tp, cpus.get_allowed_cpu_list(), cpus.get_visible_memory_node())
+    if binding is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding

@@ -67,12 +67,11 @@ def policy(ray_session, redis_url, tiny_model_path):
 
 @pytest.fixture(scope="session")
 def policy_tp2(ray_session, redis_url, tiny_model_path):
-    """A second vLLM policy actor with TP=2 (one OpenMP thread per worker); run 'test-sync-tp2'."""
+    """A second vLLM policy actor with TP=2; run 'test-sync-tp2'. Its workers' threads are bound
+    as a run's are by default (``actors.cpu_binding``: one core each on these 2-core machines)."""
     from actors.policy import Policy
 
-    actor = Policy.remote(
-        tiny_model_path, redis_url, "test-sync-tp2", replica="test-policy-tp2", tp=2, omp_threads_bind="0|1"
-    )
+    actor = Policy.remote(tiny_model_path, redis_url, "test-sync-tp2", replica="test-policy-tp2", tp=2)
     ray_session.get(actor.__ray_ready__.remote())
     yield actor
     ray_session.get(actor.close.remote())

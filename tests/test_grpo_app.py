@@ -196,6 +196,21 @@ def test_a_capped_redis_too_small_for_the_kept_versions_stops_the_run_at_start(t
         client.close()
 
 
+def test_an_actor_that_does_not_start_is_named_with_its_error(tmp_path, tiny_model_path):
+    """More TP workers than this machine has cores: the policy refuses in its constructor; the
+    launcher says which actor and why in one line (not Ray's 40-line traceback), exit 2."""
+    tp = len(os.sched_getaffinity(0)) + 1
+    proc = _run_app(f"output_dir={tmp_path}", "run_name=tp", f"policy.tp={tp}")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, proc.stderr[-3000:]
+    assert error[0].startswith(
+        f"error: the policy did not start: ValueError: policy.tp={tp} needs a CPU core for each of its {tp} workers"
+    )
+    assert error[0].endswith("bind by hand with policy.omp_threads_bind (one CPU list per worker, e.g. '0|1').")
+    assert "Traceback" not in proc.stderr
+
+
 def test_existing_output_folder_is_not_overwritten(tmp_path, tiny_model_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text("keep\n")

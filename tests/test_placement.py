@@ -52,7 +52,8 @@ def test_the_private_redis_keeps_them_on_the_launchers_host():
     assert choose_node(nodes, "a", 3, launcher_host_only=True, why="x") == "c"
     with pytest.raises(
         ConfigError,
-        match=r"no redis\.url: .*need 5 GPUs on a node on the launcher's host.*c\.\.\. at 10\.0\.0\.1: 4\)\. A Redis every node reaches \(redis\.url=",
+        match=r"no redis\.url: .*need 5 GPUs on a node on the launcher's host.*c\.\.\. at 10\.0\.0\.1: 4\)\. "
+        r"A Redis every node reaches \(redis\.url=",
     ):
         choose_node(nodes, "a", 5, launcher_host_only=True, why="no redis.url")
 

@@ -279,6 +279,7 @@ def _remove_store_keys(redis_url: str, run: str, console: Console) -> None:
 def main(cfg) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     console = Console(soft_wrap=True)
+    from apps.grpo.loop import ActorStartError
     from checkpointing.folders import CheckpointError
     from weightsync.redis_server import RedisUnavailable
     from weightsync.redis_space import NotEnoughRedisMemory
@@ -286,7 +287,14 @@ def main(cfg) -> None:
 
     try:
         result = run(cfg, console)
-    except (ConfigError, RedisUnavailable, CheckpointError, NotEnoughSharedMemory, NotEnoughRedisMemory) as e:
+    except (
+        ConfigError,
+        ActorStartError,
+        RedisUnavailable,
+        CheckpointError,
+        NotEnoughSharedMemory,
+        NotEnoughRedisMemory,
+    ) as e:
         cause = getattr(e, "cause", None) or e  # an actor's error arrives wrapped with its traceback
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {cause}", markup=True, highlight=False)
         sys.exit(2)

