@@ -10,6 +10,7 @@ import pytest
 
 from actors.cpu_binding import tp_thread_binding
 from actors.engine_errors import engine_start_error, is_engine_start_failure, root_cause
+from actors.engine_shm import remove_recorded
 
 
 @dataclass
@@ -110,9 +111,13 @@ def test_a_policy_whose_engine_dies_starting_names_the_cause(ray_session, redis_
     config = json.loads((broken / "config.json").read_text())
     config["intermediate_size"] *= 2
     (broken / "config.json").write_text(json.dumps(config))
-    actor = Policy.remote(str(broken), redis_url, "broken-start", replica="broken")
-    with pytest.raises(ray_session.exceptions.RayActorError) as failed:
-        ray_session.get(actor.__ray_ready__.remote())
+    record = tmp_path / "engine-files.json"  # the dead engine's queues, removed as the launcher does
+    actor = Policy.remote(str(broken), redis_url, "broken-start", replica="broken", engine_files_record=str(record))
+    try:
+        with pytest.raises(ray_session.exceptions.RayActorError) as failed:
+            ray_session.get(actor.__ray_ready__.remote())
+    finally:
+        remove_recorded(record)
     message = failed.value.error_msg
     assert "EngineStartError: the vLLM engine did not start: RuntimeError: start (0) + length" in message, message
     assert "exceeds dimension size (384)" in message and "(its log: /" in message
