@@ -1,14 +1,11 @@
 """A run's shared memory on Ray nodes other than the launcher's (a two-node cluster on this host)."""
 
-import json
 import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.script_run import run_script
 
 # Run apart from the test session's one-node Ray: a head node (the launcher's) and a second node,
 # where an actor writes what a trainer rank and a policy leave in shared memory.
@@ -58,15 +55,7 @@ def test_a_runs_shared_memory_on_another_node_is_removed_there(tmp_path):
     shm_dir = tmp_path / "ws-run"
     engine_file = Path(f"/dev/shm/psm_rlsys-test-{uuid.uuid4().hex[:8]}")
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(shm_dir), str(engine_file)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        out = run_script(SCRIPT, str(shm_dir), str(engine_file))
         assert list(out["nothing"].values()) == [0]  # one other node, nothing there yet
         assert out["node"] != out["head"]  # the files were written on the other node
         assert out["freed"] == {out["node"]: 3 * 2**20}  # removed by a task there, and only there

@@ -1,10 +1,5 @@
 """Where the policy and the trainer ranks run (``apps.grpo.placement``)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from apps.grpo.config import ConfigError
@@ -14,8 +9,7 @@ from apps.grpo.placement import (
     choose_node,
     needs_one_host,
 )
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.script_run import run_script
 
 
 def node(node_id: str, address: str = "10.0.0.1", gpus: float = 0, alive: bool = True) -> dict:
@@ -133,15 +127,7 @@ cluster.shutdown()
 
 
 def test_on_a_cluster_the_policy_and_trainer_ranks_are_pinned_to_one_node(tiny_model_path, redis_url, shm_root):
-    proc = subprocess.run(
-        [sys.executable, "-c", CLUSTER, tiny_model_path, redis_url, str(shm_root)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_script(CLUSTER, tiny_model_path, redis_url, str(shm_root))
     assert out["free"] == {}  # data_plane=redis with a shared Redis: Ray places them
     assert out["ranks"] == [out["head"]] * 2  # the launcher's node (unpinned: both there 1 time in 4)
     assert out["tasks"] == [out["head"]] * 6
