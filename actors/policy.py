@@ -187,10 +187,6 @@ class Policy:
             "dense_bytes_allocated_per_worker": [s["dense_bytes_allocated"] for s in stats],
         }
 
-    def node_id(self) -> str:
-        """The Ray node this policy (and, on one host, its TP workers) runs on."""
-        return ray.get_runtime_context().get_node_id()
-
     def close(self) -> None:
         """Stop the vLLM engine (its processes and shared-memory queues) before Ray ends the actor."""
         self.llm.llm_engine.engine_core.shutdown()

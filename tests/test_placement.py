@@ -3,12 +3,7 @@
 import pytest
 
 from apps.grpo.config import ConfigError
-from apps.grpo.placement import (
-    check_data_plane_placement,
-    check_redis_placement,
-    choose_node,
-    needs_one_host,
-)
+from apps.grpo.placement import choose_node, needs_one_host
 from tests.script_run import run_script
 
 
@@ -59,25 +54,6 @@ def test_a_cluster_without_room_on_one_node_is_refused_naming_what_each_node_has
         match=r"^data_plane=shm: .* need 3 GPUs on one node .*a\.\.\. at 10\.0\.0\.1: 2, b\.\.\. at 10\.0\.0\.2: 2",
     ):
         choose_node(nodes, "a", 3, launcher_host_only=False, why="data_plane=shm")
-
-
-def test_shm_data_plane_refuses_trainer_ranks_off_the_policys_node():
-
-    check_data_plane_placement("shm", "node-a", ["node-a", "node-a"])
-    check_data_plane_placement("redis", "node-a", ["node-b", "node-a"])  # Redis serves any node
-    with pytest.raises(ConfigError, match=r"trainer rank\(s\) \[1\] on another node.*data_plane=redis"):
-        check_data_plane_placement("shm", "node-a", ["node-a", "node-b"])
-
-
-def test_a_private_redis_is_refused_for_actors_on_another_host():
-
-    local = {"the policy": "10.0.0.1", "trainer rank 0": "10.0.0.1"}
-    check_redis_placement(None, "10.0.0.1", local)  # Ray nodes on the launcher's host reach its socket
-    check_redis_placement("redis://10.0.0.9:6379", "10.0.0.1", local | {"trainer rank 1": "10.0.0.2"})
-    with pytest.raises(ConfigError, match=r"placed the policy, trainer rank 1 on 10\.0\.0\.2.*redis\.url=redis://"):
-        check_redis_placement(
-            None, "10.0.0.1", {"the policy": "10.0.0.2", "trainer rank 0": "10.0.0.1", "trainer rank 1": "10.0.0.2"}
-        )
 
 
 # Apart from the test session's one-node Ray: a head node (the launcher's, no GPU) and a second

@@ -20,7 +20,7 @@ from actors.reward import Reward
 from actors.trainer_group import TrainerGroup
 from algos.episodes import Episode, assign_advantages
 from apps.grpo import interrupts
-from apps.grpo.placement import check_data_plane_placement, check_redis_placement, weight_sync_actor_options
+from apps.grpo.placement import weight_sync_actor_options
 from checkpointing import folders
 from tasks.arithmetic import ArithmeticTask, Problem
 from weightsync.push import run_dir
@@ -128,16 +128,6 @@ def start_actors(
             raise
         who = next((name for name, a in named.items() if a._actor_id.hex() == e.actor_id), "an actor")
         raise ActorStartError(f"{who} did not start: {final_exception(e.error_msg)}") from e
-    policy_node = ray.get(policy.node_id.remote())
-    trainer_nodes = ray.get([r.node_id.remote() for r in trainer.ranks])
-    host_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    check_redis_placement(
-        cfg.redis.url,
-        host_of[ray.get_runtime_context().get_node_id()],
-        {"the policy": host_of[policy_node]}
-        | {f"trainer rank {i}": host_of[node] for i, node in enumerate(trainer_nodes)},
-    )
-    check_data_plane_placement(cfg.weightsync.data_plane, policy_node, trainer_nodes)
     trainer.start()
     return actors
 

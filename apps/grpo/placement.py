@@ -10,8 +10,7 @@ GPUs; otherwise, with a shared Redis, another node that has them (with the priva
 must be on the launcher's host). A cluster without such a node stops the run at start, saying
 what it needs, rather than leaving the actors pending for ever.
 
-With ``data_plane=redis`` and ``redis.url`` Ray places them freely. After the actors started,
-``check_redis_placement`` and ``check_data_plane_placement`` check where they are.
+With ``data_plane=redis`` and ``redis.url`` Ray places them freely.
 """
 
 from __future__ import annotations
@@ -72,32 +71,3 @@ def weight_sync_actor_options(cfg, gpus: int) -> dict:
         ray.nodes(), ray.get_runtime_context().get_node_id(), gpus, launcher_host_only=not redis_url, why=why
     )
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
-
-
-def check_redis_placement(redis_url: str | None, launcher_host: str, hosts: dict[str, str]) -> None:
-    """Without ``redis.url`` the launcher's private Redis listens on a Unix socket on its own host
-    (never on the network): said at start when Ray placed an actor that needs it on another
-    host (``hosts``: actor -> its node's address), not as a connection error at the first push."""
-    if redis_url:
-        return
-    away = [actor for actor, host in hosts.items() if host != launcher_host]
-    if away:
-        raise ConfigError(
-            f"without redis.url the launcher starts a private Redis on a Unix socket on its own host "
-            f"({launcher_host}), but Ray placed {', '.join(away)} on {hosts[away[0]]}, which cannot reach it. "
-            "Start a Redis that the Ray nodes can reach and pass redis.url=redis://<host>:<port>."
-        )
-
-
-def check_data_plane_placement(data_plane: str, policy_node: str, trainer_nodes: list[str]) -> None:
-    """The shared-memory data plane is files in one host's /dev/shm: every trainer rank must run
-    on the policy's node. Said at start, not as a missing shard file at the first update."""
-    if data_plane != "shm":
-        return
-    away = sorted({i for i, node in enumerate(trainer_nodes) if node != policy_node})
-    if away:
-        raise ConfigError(
-            f"weightsync.data_plane=shm needs the trainer ranks on the policy's node, but Ray placed "
-            f"trainer rank(s) {away} on another node ({trainer_nodes[away[0]][:12]}... vs the policy's "
-            f"{policy_node[:12]}...). Use weightsync.data_plane=redis across nodes."
-        )
