@@ -2,6 +2,8 @@
 
 Set-up order matters: every check on user input (config values, model.path, redis.url, the
 output folder) runs before anything is written or started, so bad input leaves nothing behind.
+Ray starts (or is joined) before the room for the weights is checked and the output folder is
+written: whether the run uses GPUs, and so the policy's dtype, is the Ray cluster's answer.
 """
 
 from __future__ import annotations
@@ -155,11 +157,11 @@ def _changed_keys(a: dict, b: dict, prefix: str = "") -> set[str]:
 
 def run(cfg, console: Console) -> dict:
     import ray
-    import torch
     from transformers import AutoTokenizer
 
     from apps.grpo.loop import engine_files_record, resume_from_checkpoint, run_grpo, start_actors
     from apps.grpo.node_cleanup import remove_run_files
+    from apps.grpo.placement import cluster_has_gpus
     from apps.grpo.run_lock import RunLock, RunLocked, lock_path
     from tasks.arithmetic import ArithmeticTask
     from weightsync.push import run_dir
@@ -171,8 +173,6 @@ def run(cfg, console: Console) -> dict:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     model_path = resolve_model_path(cfg)
-    use_cuda = torch.cuda.is_available()
-    policy_dtype = cfg.policy.dtype if cfg.policy.dtype != "auto" else ("bfloat16" if use_cuda else "float32")
 
     with ExitStack() as stack:
         if cfg.redis.url:
@@ -207,20 +207,23 @@ def run(cfg, console: Console) -> dict:
         stack.callback(_remove_engine_files, engine_record, console)
         if cfg.redis.url:
             stack.callback(_remove_store_keys, redis_url, cfg.run_name, console)
-        check_data_plane_room(cfg, model_path, policy_dtype, redis_url)
-        prepare_output_dir(cfg, out_dir)
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        resolved["model"]["path"] = model_path
-        resolved["policy"]["dtype"] = policy_dtype
-        write_config(cfg, out_dir, resolved, console)
-        console.print(f"run {cfg.run_name}: model {model_path}, outputs in {out_dir}")
-
         ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=cfg.ray.log_to_driver)
         # A scheduler's SIGTERM unwinds the run like Ctrl-C: actors, Ray, the private Redis and the
         # shared-memory weights are cleaned up; metrics.jsonl keeps every finished step. (Set after
         # ray.init, which installs a handler of its own that aborts the process.)
         interrupts.install()
         stack.callback(ray.shutdown)
+        # GPUs or not is the cluster's answer, not this host's: a cluster's head node, where the
+        # launcher usually runs, often has no GPU while its workers do.
+        use_cuda = cluster_has_gpus()
+        policy_dtype = cfg.policy.dtype if cfg.policy.dtype != "auto" else ("bfloat16" if use_cuda else "float32")
+        check_data_plane_room(cfg, model_path, policy_dtype, redis_url)
+        prepare_output_dir(cfg, out_dir)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved["model"]["path"] = model_path
+        resolved["policy"]["dtype"] = policy_dtype
+        write_config(cfg, out_dir, resolved, console)
+        console.print(f"run {cfg.run_name}: model {model_path}, outputs in {out_dir}, {'GPUs' if use_cuda else 'CPU'}")
         if cfg.redis.url and (cfg.overwrite or cfg.resume):
             _clean_other_nodes([], shm_dir, engine_record, console)  # what a killed run left there
         # Before ray.shutdown (after the policy's close): the run's shared memory on other nodes.

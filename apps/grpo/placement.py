@@ -21,6 +21,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from apps.grpo.config import ConfigError
 
 
+def cluster_has_gpus() -> bool:
+    """Whether the run uses GPUs: any node of the Ray cluster has one (Ray's ``GPU`` resource).
+    Not whether the launcher's host has CUDA: a cluster's head node often has none while its
+    workers do, and the actors that use GPUs run there. Call with Ray up."""
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
 def needs_one_host(data_plane: str, redis_url: str | None) -> bool:
     """Whether the policy and the trainer ranks must share a node (see the module's doc)."""
     return data_plane == "shm" or not redis_url
