@@ -11,11 +11,17 @@ from algos.episodes import Episode
 
 @ray.remote(num_cpus=0)
 class Reference:
-    def __init__(self, model_path: str, torch_threads: int = 1) -> None:
+    def __init__(self, model_path: str, torch_threads: int = 1, device: str = "cpu", dtype: str = "float32") -> None:
+        """``device``: ``cpu``, or ``cuda`` in an actor given a GPU (``num_gpus=1``); ``dtype``:
+        the weights' dtype there (the launcher passes the trainer's compute dtype on a GPU)."""
         torch.set_num_threads(torch_threads)
-        self.model = load_causal_lm(model_path).eval().requires_grad_(False)
+        model = load_causal_lm(model_path, getattr(torch, dtype))
+        self.model = model.to(device).eval().requires_grad_(False)
         self.pad_id = self.model.config.pad_token_id or 0
 
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         """Each episode's completion-token log-probabilities under the reference model."""
         return completion_logprobs(self.model, episodes, self.pad_id)
+
+    def device(self) -> str:
+        return str(next(self.model.parameters()).device)

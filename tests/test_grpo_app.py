@@ -88,6 +88,7 @@ def test_wrong_type_names_the_key():
         ("steps=0", "steps"),
         ("algo.group_size=1", "algo.group_size"),
         ("algo.kl_coef=-1", "algo.kl_coef"),
+        ("algo.reference_device=tpu", "algo.reference_device"),
         ("run_name=a/b", "run_name"),
         ("run_name=a:b", "run_name"),
         ("weightsync.data_plane=nfs", "weightsync.data_plane"),
@@ -209,6 +210,13 @@ def test_an_actor_that_does_not_start_is_named_with_its_error(tmp_path, tiny_mod
     )
     assert error[0].endswith("bind by hand with policy.omp_threads_bind (one CPU list per worker, e.g. '0|1').")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_reference_model_on_a_gpu_the_cluster_lacks_stops_the_run_before_any_actor(tmp_path, tiny_model_path):
+    proc = _run_app(f"output_dir={tmp_path}", "run_name=ref", "algo.kl_coef=0.1", "algo.reference_device=gpu")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "error: algo.reference_device=gpu: the Ray cluster has no GPU; use auto or cpu" in proc.stderr
+    assert "eval accuracy" not in proc.stdout  # stopped at start
 
 
 def test_existing_output_folder_is_not_overwritten(tmp_path, tiny_model_path):

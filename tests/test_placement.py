@@ -3,7 +3,7 @@
 import pytest
 
 from apps.grpo.config import ConfigError
-from apps.grpo.placement import choose_node, needs_one_host
+from apps.grpo.placement import choose_node, needs_one_host, reference_gpus
 from tests.script_run import run_script
 
 
@@ -54,6 +54,25 @@ def test_a_cluster_without_room_on_one_node_is_refused_naming_what_each_node_has
         match=r"^data_plane=shm: .* need 3 GPUs on one node .*a\.\.\. at 10\.0\.0\.1: 2, b\.\.\. at 10\.0\.0\.2: 2",
     ):
         choose_node(nodes, "a", 3, launcher_host_only=False, why="data_plane=shm")
+
+
+def test_the_reference_model_gets_a_gpu_of_its_own_only_when_one_is_spare():
+    assert reference_gpus("auto", 4, 2, 1) == (1, "")
+    assert reference_gpus("gpu", 4, 2, 1) == (1, "")
+    assert reference_gpus("cpu", 4, 2, 1) == (0, "")
+    assert reference_gpus("auto", 0, 0, 0) == (0, "")  # a CPU run: nothing to say
+    gpus, why = reference_gpus("auto", 3, 2, 1)  # every GPU taken: on a CPU, and the run says so
+    assert (
+        gpus == 0
+        and why
+        == "the reference model computes on a CPU: the cluster's 3 GPUs go to the policy (2) and the trainer ranks (1)"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^algo\.reference_device=gpu: the cluster's 3 GPUs go to the policy \(2\) .* none is left"
+    ):
+        reference_gpus("gpu", 3, 2, 1)
+    with pytest.raises(ConfigError, match=r"^algo\.reference_device=gpu: the Ray cluster has no GPU; use auto or cpu$"):
+        reference_gpus("gpu", 0, 0, 0)
 
 
 # Apart from the test session's one-node Ray: a head node (the launcher's, no GPU) and a second

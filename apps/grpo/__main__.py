@@ -230,7 +230,7 @@ def run(cfg, console: Console) -> dict:
         writers: list = []
         stack.callback(_clean_other_nodes, writers, shm_dir, engine_record, console)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
-        actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda, writers)
+        actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda, writers, say=console.print)
         stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         state = resume_from_checkpoint(actors, out_dir, console) if cfg.resume else None

@@ -19,6 +19,7 @@ POLICY_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 KL_MODES = ("loss", "reward")
 DATA_PLANES = ("shm", "redis")
+REFERENCE_DEVICES = ("auto", "cpu", "gpu")
 
 
 @dataclass
@@ -61,6 +62,7 @@ class AlgoConfig:
     clip_eps: float = MISSING
     clip_eps_high: float | None = MISSING
     kl_coef: float = MISSING
+    reference_device: str = MISSING
     kl_estimator: str = MISSING
     kl_mode: str = MISSING
     loss_aggregation: str = MISSING
@@ -207,6 +209,7 @@ def validate(cfg) -> None:
         (cfg.algo.group_size >= 2, "algo.group_size", "an integer >= 2 (GRPO compares samples within a group)"),
         (cfg.algo.clip_eps > 0, "algo.clip_eps", "a number > 0"),
         (cfg.algo.kl_coef >= 0, "algo.kl_coef", "a number >= 0"),
+        (cfg.algo.reference_device in REFERENCE_DEVICES, "algo.reference_device", f"one of {list(REFERENCE_DEVICES)}"),
         (cfg.algo.clip_eps_high is None or cfg.algo.clip_eps_high > 0, "algo.clip_eps_high", "null or a number > 0"),
         (cfg.algo.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", f"one of {list(KL_ESTIMATORS)}"),
         (cfg.algo.kl_mode in KL_MODES, "algo.kl_mode", f"one of {list(KL_MODES)}"),

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from actors.reward import Reward
 from actors.trainer_group import TrainerGroup
 from algos.episodes import Episode, assign_advantages
 from apps.grpo import interrupts
-from apps.grpo.placement import weight_sync_actor_options
+from apps.grpo.placement import cluster_gpu_count, reference_gpus, weight_sync_actor_options
 from checkpointing import folders
 from tasks.arithmetic import ArithmeticTask, Problem
 from weightsync.push import run_dir
@@ -59,13 +60,26 @@ def engine_files_record(cfg) -> Path:
 
 
 def start_actors(
-    cfg, model_path: str, redis_url: str, policy_dtype: str, use_cuda: bool, writers: list | None = None
+    cfg,
+    model_path: str,
+    redis_url: str,
+    policy_dtype: str,
+    use_cuda: bool,
+    writers: list | None = None,
+    say: Callable[[str], object] = print,
 ) -> Actors:
     """``writers``: gets the actors that write to shared memory (the policy, the trainer ranks)
-    as they are made, so that the launcher can end them even if this start is interrupted."""
+    as they are made, so that the launcher can end them even if this start is interrupted.
+    ``say``: where notices about the actors' placement go."""
     run = cfg.run_name
     writers = [] if writers is None else writers
     gpus = cfg.policy.tp + cfg.trainer.ranks if use_cuda else 0
+    ref_gpus = 0
+    if cfg.algo.kl_coef > 0:  # before any actor starts: a GPU it cannot have stops the run
+        policy_gpus, trainer_gpus = (cfg.policy.tp, cfg.trainer.ranks) if use_cuda else (0, 0)
+        ref_gpus, why = reference_gpus(cfg.algo.reference_device, cluster_gpu_count(), policy_gpus, trainer_gpus)
+        if why:
+            say(why)
     where = weight_sync_actor_options(cfg, gpus)  # one node for the shm plane or the private Redis
     policy = Policy.options(num_gpus=cfg.policy.tp if use_cuda else 0, **where).remote(
         model_path,
@@ -112,7 +126,13 @@ def start_actors(
         delta_elements=cfg.weightsync.delta_elements,
     )
     writers.extend(trainer.ranks)
-    reference = Reference.remote(model_path, cfg.trainer.torch_threads) if cfg.algo.kl_coef > 0 else None
+    reference = None
+    if cfg.algo.kl_coef > 0:
+        # On a GPU at the trainer's compute dtype, so that the KL compares like with like.
+        device, dtype = ("cuda", cfg.trainer.param_dtype) if ref_gpus else ("cpu", "float32")
+        reference = Reference.options(num_gpus=ref_gpus).remote(
+            model_path, cfg.trainer.torch_threads, device=device, dtype=dtype
+        )
     actors = Actors(
         policy, trainer, Reward.remote(cfg.task.format_reward), ReplayBuffer.remote(cfg.algo.max_staleness), reference
     )

@@ -28,6 +28,35 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) >= 1
 
 
+def cluster_gpu_count() -> int:
+    """GPUs in the whole Ray cluster (Ray's ``GPU`` resource). Call with Ray up."""
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+def reference_gpus(device: str, cluster_gpus: int, policy_gpus: int, trainer_gpus: int) -> tuple[int, str]:
+    """GPUs for the reference model's actor (0 or 1) and, where that is worth saying, why.
+
+    ``algo.reference_device``: ``gpu`` takes a GPU of its own (any node: it exchanges episodes,
+    not weights, with the others) and stops the run at start when the cluster has none beyond
+    the policy's and the trainer ranks'; ``auto`` does so when there is one spare and otherwise
+    computes on a CPU; ``cpu`` always does. (Sharing a trainer rank's GPU would need fractional
+    GPU requests from every rank; not done.)
+    """
+    spare = cluster_gpus - policy_gpus - trainer_gpus
+    if device == "cpu":
+        return 0, ""
+    if spare >= 1:
+        return 1, ""
+    counts = (
+        f"the cluster's {cluster_gpus} GPUs go to the policy ({policy_gpus}) and the trainer ranks ({trainer_gpus})"
+    )
+    if device == "gpu":
+        if cluster_gpus == 0:
+            raise ConfigError("algo.reference_device=gpu: the Ray cluster has no GPU; use auto or cpu")
+        raise ConfigError(f"algo.reference_device=gpu: {counts}, none is left for the reference model; use auto or cpu")
+    return 0, f"the reference model computes on a CPU: {counts}" if cluster_gpus else ""
+
+
 def needs_one_host(data_plane: str, redis_url: str | None) -> bool:
     """Whether the policy and the trainer ranks must share a node (see the module's doc)."""
     return data_plane == "shm" or not redis_url
