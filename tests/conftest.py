@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.policies import running_policy
+
 
 @pytest.fixture(scope="session")
 def redis_url():
@@ -57,21 +59,13 @@ def ray_session():
 @pytest.fixture(scope="session")
 def policy(ray_session, redis_url, tiny_model_path):
     """One vLLM policy actor (TP=1, float32) for the whole session; run name 'test-sync'."""
-    from actors.policy import Policy
-
-    actor = Policy.remote(tiny_model_path, redis_url, "test-sync", replica="test-policy")
-    ray_session.get(actor.__ray_ready__.remote())
-    yield actor
-    ray_session.get(actor.close.remote())
+    with running_policy(ray_session, tiny_model_path, redis_url, "test-sync", "test-policy") as actor:
+        yield actor
 
 
 @pytest.fixture(scope="session")
 def policy_tp2(ray_session, redis_url, tiny_model_path):
     """A second vLLM policy actor with TP=2; run 'test-sync-tp2'. Its workers' threads are bound
     as a run's are by default (``actors.cpu_binding``: one core each on these 2-core machines)."""
-    from actors.policy import Policy
-
-    actor = Policy.remote(tiny_model_path, redis_url, "test-sync-tp2", replica="test-policy-tp2", tp=2)
-    ray_session.get(actor.__ray_ready__.remote())
-    yield actor
-    ray_session.get(actor.close.remote())
+    with running_policy(ray_session, tiny_model_path, redis_url, "test-sync-tp2", "test-policy-tp2", tp=2) as actor:
+        yield actor

@@ -17,6 +17,7 @@ import torch
 
 from actors.modeling import load_causal_lm
 from tests.fsdp_push import perturbed_model, push_from_ranks
+from tests.policies import running_policy
 from tests.test_weight_update import TOL, _hf_logprobs, _max_diff, _vllm_logprobs
 from weightsync.push import WeightPusher
 from weightsync.store import WeightStore
@@ -54,7 +55,6 @@ VERSIONS = itertools.count(1)
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
 def arch_policy(request, tmp_path_factory, ray_session, redis_url):
     """(architecture, model folder, run name, a TP=2 vLLM policy on it); one engine at a time."""
-    from actors.policy import Policy
     from tinymodel.build import build_tokenizer
 
     arch = request.param
@@ -67,10 +67,8 @@ def arch_policy(request, tmp_path_factory, ray_session, redis_url):
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     run = f"test-arch-{arch}"
-    actor = Policy.remote(str(folder), redis_url, run, replica=f"test-{arch}", tp=2)
-    ray_session.get(actor.__ray_ready__.remote())
-    yield arch, str(folder), run, actor
-    ray_session.get(actor.close.remote())
+    with running_policy(ray_session, str(folder), redis_url, run, f"test-{arch}", tp=2) as actor:
+        yield arch, str(folder), run, actor
     store = WeightStore(redis_url, run)
     store.clear_run()
     store.close()
