@@ -168,6 +168,8 @@ def test_too_little_shared_memory_stops_the_run_before_any_actor_starts(tiny_mod
     monkeypatch.setattr("weightsync.shm_space.free_bytes", lambda path: 3 * file_bytes)
     check_data_plane_room(cfg, tiny_model_path, "bfloat16", redis_url)  # 2 kept versions + 1 being written fit
     monkeypatch.setattr("weightsync.shm_space.free_bytes", lambda path: 0)
+    # The policy's node is another host: its /dev/shm is the trainer ranks' to check, not this one's.
+    check_data_plane_room(cfg, tiny_model_path, "bfloat16", redis_url, shm_here=False)
     # No shared memory used, and a Redis without maxmemory has no limit to check.
     check_data_plane_room(_compose("weightsync.data_plane=redis"), tiny_model_path, "bfloat16", redis_url)
 

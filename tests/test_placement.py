@@ -3,7 +3,7 @@
 import pytest
 
 from apps.grpo.config import ConfigError
-from apps.grpo.placement import choose_node, needs_one_host, reference_gpus
+from apps.grpo.placement import choose_node, needs_one_host, pinned_to_launchers_host, reference_gpus
 from tests.script_run import run_script
 
 
@@ -54,6 +54,21 @@ def test_a_cluster_without_room_on_one_node_is_refused_naming_what_each_node_has
         match=r"^data_plane=shm: .* need 3 GPUs on one node .*a\.\.\. at 10\.0\.0\.1: 2, b\.\.\. at 10\.0\.0\.2: 2",
     ):
         choose_node(nodes, "a", 3, launcher_host_only=False, why="data_plane=shm")
+
+
+def test_whether_the_pinned_node_is_on_the_launchers_host():
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    a, b, c = "aa" * 28, "bb" * 28, "cc" * 28  # Ray checks that node ids are hex
+    nodes = [node(a), node(b, "10.0.0.2", gpus=8), node(c)]  # c: a second Ray node on a's host
+
+    def pinned(node_id):
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+    assert pinned_to_launchers_host(pinned(a), nodes, a)
+    assert pinned_to_launchers_host(pinned(c), nodes, a)
+    assert not pinned_to_launchers_host(pinned(b), nodes, a)
+    assert pinned_to_launchers_host({}, nodes, a)  # not pinned: nothing to say otherwise
 
 
 def test_the_reference_model_gets_a_gpu_of_its_own_only_when_one_is_spare():

@@ -47,11 +47,12 @@ def resolve_model_path(cfg) -> str:
         raise ConfigError(str(e)) from e
 
 
-def check_data_plane_room(cfg, model_path: str, sync_dtype: str, redis_url: str) -> None:
+def check_data_plane_room(cfg, model_path: str, sync_dtype: str, redis_url: str, shm_here: bool = True) -> None:
     """Stop before any actor starts if the data plane cannot hold the weight versions the run
     keeps (the model's tensors at the sync dtype, ``keep_last + 1`` times): free space in
-    ``weightsync.shm_root`` (the trainer ranks check again from their exact shards when they
-    start), or a capped Redis's ``maxmemory`` less what it already uses."""
+    ``weightsync.shm_root`` on this host when the policy runs here (``shm_here``; the trainer
+    ranks check again, on their node, from their exact shards when they start), or a capped
+    Redis's ``maxmemory`` less what it already uses."""
     from safetensors import safe_open
 
     from weightsync.push import DTYPES
@@ -71,6 +72,8 @@ def check_data_plane_room(cfg, model_path: str, sync_dtype: str, redis_url: str)
     file_bytes = shard_file_bytes(-(-numel // ranks), DTYPES[sync_dtype], tensors)
     if memory is not None:
         check_redis_room(redis_url, *memory, ranks, file_bytes, keep_last, delta)
+        return
+    if not shm_here:
         return
     root = cfg.weightsync.shm_root
     check_shm_room(root, free_bytes(root), ranks, file_bytes, keep_last, delta)
@@ -159,9 +162,9 @@ def run(cfg, console: Console) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from apps.grpo.loop import engine_files_record, resume_from_checkpoint, run_grpo, start_actors
+    from apps.grpo.loop import engine_files_record, plan_placement, resume_from_checkpoint, run_grpo, start_actors
     from apps.grpo.node_cleanup import remove_run_files
-    from apps.grpo.placement import cluster_has_gpus
+    from apps.grpo.placement import cluster_has_gpus, pinned_to_launchers_host
     from apps.grpo.run_lock import RunLock, RunLocked, lock_path
     from tasks.arithmetic import ArithmeticTask
     from weightsync.push import run_dir
@@ -217,7 +220,15 @@ def run(cfg, console: Console) -> dict:
         # launcher usually runs, often has no GPU while its workers do.
         use_cuda = cluster_has_gpus()
         policy_dtype = cfg.policy.dtype if cfg.policy.dtype != "auto" else ("bfloat16" if use_cuda else "float32")
-        check_data_plane_room(cfg, model_path, policy_dtype, redis_url)
+        placement = plan_placement(cfg, use_cuda)
+        for notice in placement.notices:
+            console.print(notice)
+        # Weights in shared memory live on the policy's node: its /dev/shm is checked there, by
+        # the trainer ranks as they start, when that is not this host (a GPU-less head node's
+        # small /dev/shm says nothing about it).
+        launcher_node = ray.get_runtime_context().get_node_id()
+        shm_here = pinned_to_launchers_host(placement.weight_sync, ray.nodes(), launcher_node)
+        check_data_plane_room(cfg, model_path, policy_dtype, redis_url, shm_here=shm_here)
         prepare_output_dir(cfg, out_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["path"] = model_path
@@ -230,7 +241,7 @@ def run(cfg, console: Console) -> dict:
         writers: list = []
         stack.callback(_clean_other_nodes, writers, shm_dir, engine_record, console)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
-        actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda, writers, say=console.print)
+        actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda, placement, writers)
         stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         state = resume_from_checkpoint(actors, out_dir, console) if cfg.resume else None

@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,28 +58,41 @@ def engine_files_record(cfg) -> Path:
     return run_dir(cfg.weightsync.shm_root, cfg.run_name) / "engine-files.json"
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the actors go, decided before any starts (a cluster that cannot host the run stops
+    it before anything is written)."""
+
+    weight_sync: dict  # Ray options for the policy and the trainer ranks
+    reference_gpus: int  # 0 or 1
+    notices: tuple[str, ...] = ()
+
+
+def plan_placement(cfg, use_cuda: bool) -> Placement:
+    """Call with Ray up; raises ``ConfigError`` where the cluster has no room for the run."""
+    policy_gpus, trainer_gpus = (cfg.policy.tp, cfg.trainer.ranks) if use_cuda else (0, 0)
+    where = weight_sync_actor_options(cfg, policy_gpus + trainer_gpus)  # one node for shm / the private Redis
+    ref_gpus, why = 0, ""
+    if cfg.algo.kl_coef > 0:
+        ref_gpus, why = reference_gpus(cfg.algo.reference_device, cluster_gpu_count(), policy_gpus, trainer_gpus)
+    return Placement(where, ref_gpus, (why,) if why else ())
+
+
 def start_actors(
     cfg,
     model_path: str,
     redis_url: str,
     policy_dtype: str,
     use_cuda: bool,
+    placement: Placement,
     writers: list | None = None,
-    say: Callable[[str], object] = print,
 ) -> Actors:
-    """``writers``: gets the actors that write to shared memory (the policy, the trainer ranks)
-    as they are made, so that the launcher can end them even if this start is interrupted.
-    ``say``: where notices about the actors' placement go."""
+    """``placement``: from ``plan_placement``. ``writers``: gets the actors that write to shared
+    memory (the policy, the trainer ranks) as they are made, so that the launcher can end them
+    even if this start is interrupted."""
     run = cfg.run_name
     writers = [] if writers is None else writers
-    gpus = cfg.policy.tp + cfg.trainer.ranks if use_cuda else 0
-    ref_gpus = 0
-    if cfg.algo.kl_coef > 0:  # before any actor starts: a GPU it cannot have stops the run
-        policy_gpus, trainer_gpus = (cfg.policy.tp, cfg.trainer.ranks) if use_cuda else (0, 0)
-        ref_gpus, why = reference_gpus(cfg.algo.reference_device, cluster_gpu_count(), policy_gpus, trainer_gpus)
-        if why:
-            say(why)
-    where = weight_sync_actor_options(cfg, gpus)  # one node for the shm plane or the private Redis
+    where = placement.weight_sync
     policy = Policy.options(num_gpus=cfg.policy.tp if use_cuda else 0, **where).remote(
         model_path,
         redis_url,
@@ -129,8 +141,8 @@ def start_actors(
     reference = None
     if cfg.algo.kl_coef > 0:
         # On a GPU at the trainer's compute dtype, so that the KL compares like with like.
-        device, dtype = ("cuda", cfg.trainer.param_dtype) if ref_gpus else ("cpu", "float32")
-        reference = Reference.options(num_gpus=ref_gpus).remote(
+        device, dtype = ("cuda", cfg.trainer.param_dtype) if placement.reference_gpus else ("cpu", "float32")
+        reference = Reference.options(num_gpus=placement.reference_gpus).remote(
             model_path, cfg.trainer.torch_threads, device=device, dtype=dtype
         )
     actors = Actors(

@@ -107,3 +107,13 @@ def weight_sync_actor_options(cfg, gpus: int) -> dict:
         ray.nodes(), ray.get_runtime_context().get_node_id(), gpus, launcher_host_only=not redis_url, why=why
     )
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+
+def pinned_to_launchers_host(options: dict, nodes: list[dict], launcher_node: str) -> bool:
+    """Whether Ray ``options`` from ``weight_sync_actor_options`` put their actors on the
+    launcher's host (True also where they do not pin them to a node). ``nodes``: ``ray.nodes()``."""
+    strategy = options.get("scheduling_strategy")
+    if not isinstance(strategy, NodeAffinitySchedulingStrategy):
+        return True
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
+    return address.get(strategy.node_id) == address.get(launcher_node)
