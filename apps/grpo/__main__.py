@@ -162,9 +162,9 @@ def run(cfg, console: Console) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from apps.grpo.loop import engine_files_record, plan_placement, resume_from_checkpoint, run_grpo, start_actors
+    from apps.grpo.loop import engine_files_record, resume_from_checkpoint, run_grpo, start_actors
     from apps.grpo.node_cleanup import remove_run_files
-    from apps.grpo.placement import cluster_has_gpus, pinned_to_launchers_host
+    from apps.grpo.placement import cluster_has_gpus, pinned_to_launchers_host, plan_placement
     from apps.grpo.run_lock import RunLock, RunLocked, lock_path
     from tasks.arithmetic import ArithmeticTask
     from weightsync.push import run_dir

@@ -20,7 +20,7 @@ from actors.reward import Reward
 from actors.trainer_group import TrainerGroup
 from algos.episodes import Episode, assign_advantages
 from apps.grpo import interrupts
-from apps.grpo.placement import cluster_gpu_count, reference_gpus, weight_sync_actor_options
+from apps.grpo.placement import Placement
 from checkpointing import folders
 from tasks.arithmetic import ArithmeticTask, Problem
 from weightsync.push import run_dir
@@ -56,26 +56,6 @@ def engine_files_record(cfg) -> Path:
     """Where the policy lists its vLLM engine's shared-memory files (``actors.engine_shm``): in
     the run's shared-memory folder, which the launcher removes at the end."""
     return run_dir(cfg.weightsync.shm_root, cfg.run_name) / "engine-files.json"
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the actors go, decided before any starts (a cluster that cannot host the run stops
-    it before anything is written)."""
-
-    weight_sync: dict  # Ray options for the policy and the trainer ranks
-    reference_gpus: int  # 0 or 1
-    notices: tuple[str, ...] = ()
-
-
-def plan_placement(cfg, use_cuda: bool) -> Placement:
-    """Call with Ray up; raises ``ConfigError`` where the cluster has no room for the run."""
-    policy_gpus, trainer_gpus = (cfg.policy.tp, cfg.trainer.ranks) if use_cuda else (0, 0)
-    where = weight_sync_actor_options(cfg, policy_gpus + trainer_gpus)  # one node for shm / the private Redis
-    ref_gpus, why = 0, ""
-    if cfg.algo.kl_coef > 0:
-        ref_gpus, why = reference_gpus(cfg.algo.reference_device, cluster_gpu_count(), policy_gpus, trainer_gpus)
-    return Placement(where, ref_gpus, (why,) if why else ())
 
 
 def start_actors(

@@ -1,4 +1,10 @@
-"""Where the weight-sync actors run: the policy and the trainer ranks.
+"""Where the actors run: GPUs or not, the node of the policy and the trainer ranks, the reference
+model's GPU. ``plan_placement`` decides all of it once Ray is up, before any actor starts.
+
+A run uses GPUs when any node of the Ray cluster has one (not when the launcher's host does: a
+cluster's head node often has none). The reference model exchanges episodes, not weights, so it
+may go anywhere: a GPU of its own where one is spare beyond the policy's and the trainer ranks'
+(``algo.reference_device``), else a CPU.
 
 Two set-ups need the policy and every trainer rank on one machine: the shared-memory data plane
 (``weightsync.data_plane=shm``: files in one host's /dev/shm) and the launcher's private Redis
@@ -14,6 +20,8 @@ With ``data_plane=redis`` and ``redis.url`` Ray places them freely.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -117,3 +125,23 @@ def pinned_to_launchers_host(options: dict, nodes: list[dict], launcher_node: st
         return True
     address = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
     return address.get(strategy.node_id) == address.get(launcher_node)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the actors go, decided before any starts (a cluster that cannot host the run stops
+    it before anything is written)."""
+
+    weight_sync: dict  # Ray options for the policy and the trainer ranks
+    reference_gpus: int  # 0 or 1
+    notices: tuple[str, ...] = ()
+
+
+def plan_placement(cfg, use_cuda: bool) -> Placement:
+    """Call with Ray up; raises ``ConfigError`` where the cluster has no room for the run."""
+    policy_gpus, trainer_gpus = (cfg.policy.tp, cfg.trainer.ranks) if use_cuda else (0, 0)
+    where = weight_sync_actor_options(cfg, policy_gpus + trainer_gpus)  # one node for shm / the private Redis
+    ref_gpus, why = 0, ""
+    if cfg.algo.kl_coef > 0:
+        ref_gpus, why = reference_gpus(cfg.algo.reference_device, cluster_gpu_count(), policy_gpus, trainer_gpus)
+    return Placement(where, ref_gpus, (why,) if why else ())
