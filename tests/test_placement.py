@@ -100,12 +100,12 @@ from omegaconf import OmegaConf
 from ray.cluster_utils import Cluster
 from actors.trainer_group import TrainerGroup
 from apps.grpo.config import ConfigError
-from apps.grpo.placement import cluster_has_gpus, weight_sync_actor_options
+from apps.grpo.placement import cluster_gpu_count, weight_sync_actor_options
 
 model, redis_url, shm_root = sys.argv[1:4]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
 ray.init(address=cluster.address, log_to_driver=False)
-gpus_head_only = cluster_has_gpus()
+gpus_head_only = cluster_gpu_count()
 cluster.add_node(num_cpus=1, num_gpus=2)
 cluster.wait_for_nodes()
 
@@ -116,7 +116,7 @@ def cfg(data_plane, url):
 def node_of_task():
     return ray.get_runtime_context().get_node_id()
 
-out = {"head": ray.get_runtime_context().get_node_id(), "gpus": [gpus_head_only, cluster_has_gpus()]}
+out = {"head": ray.get_runtime_context().get_node_id(), "gpus": [gpus_head_only, cluster_gpu_count()]}
 out["free"] = weight_sync_actor_options(cfg("redis", "redis://10.0.0.9:6379"), 2)
 # CPU run, shm plane, private Redis: real trainer ranks (the tiny model), pinned like the launcher's
 where = weight_sync_actor_options(cfg("shm", None), 0)
@@ -140,7 +140,7 @@ cluster.shutdown()
 def test_on_a_cluster_the_policy_and_trainer_ranks_are_pinned_to_one_node(tiny_model_path, redis_url, shm_root):
     out = run_script(CLUSTER, tiny_model_path, redis_url, str(shm_root))
     # The launcher's host has no GPU (nor CUDA), the cluster's other node has two: a GPU run.
-    assert out["gpus"] == [False, True]
+    assert out["gpus"] == [0, 2]
     assert out["free"] == {}  # data_plane=redis with a shared Redis: Ray places them
     assert out["ranks"] == [out["head"]] * 2  # the launcher's node (unpinned: both there 1 time in 4)
     assert out["tasks"] == [out["head"]] * 6

@@ -164,7 +164,7 @@ def run(cfg, console: Console) -> dict:
 
     from apps.grpo.loop import engine_files_record, resume_from_checkpoint, run_grpo, start_actors
     from apps.grpo.node_cleanup import remove_run_files
-    from apps.grpo.placement import cluster_has_gpus, pinned_to_launchers_host, plan_placement
+    from apps.grpo.placement import cluster_gpu_count, pinned_to_launchers_host, plan_placement
     from apps.grpo.run_lock import RunLock, RunLocked, lock_path
     from tasks.arithmetic import ArithmeticTask
     from weightsync.push import run_dir
@@ -218,7 +218,7 @@ def run(cfg, console: Console) -> dict:
         stack.callback(ray.shutdown)
         # GPUs or not is the cluster's answer, not this host's: a cluster's head node, where the
         # launcher usually runs, often has no GPU while its workers do.
-        use_cuda = cluster_has_gpus()
+        use_cuda = cluster_gpu_count() > 0
         policy_dtype = cfg.policy.dtype if cfg.policy.dtype != "auto" else ("bfloat16" if use_cuda else "float32")
         placement = plan_placement(cfg, use_cuda)
         for notice in placement.notices:

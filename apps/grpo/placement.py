@@ -29,15 +29,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from apps.grpo.config import ConfigError
 
 
-def cluster_has_gpus() -> bool:
-    """Whether the run uses GPUs: any node of the Ray cluster has one (Ray's ``GPU`` resource).
-    Not whether the launcher's host has CUDA: a cluster's head node often has none while its
-    workers do, and the actors that use GPUs run there. Call with Ray up."""
-    return ray.cluster_resources().get("GPU", 0) >= 1
-
-
 def cluster_gpu_count() -> int:
-    """GPUs in the whole Ray cluster (Ray's ``GPU`` resource). Call with Ray up."""
+    """GPUs in the whole Ray cluster (Ray's ``GPU`` resource). A run uses GPUs when this is not
+    0, whether or not the launcher's host has CUDA: a cluster's head node often has none while
+    its workers do, and the actors that use GPUs run there. Call with Ray up."""
     return int(ray.cluster_resources().get("GPU", 0))
 
 
