@@ -116,19 +116,20 @@ def cfg(data_plane, url):
 def node_of_task():
     return ray.get_runtime_context().get_node_id()
 
-out = {"head": ray.get_runtime_context().get_node_id(), "gpus": [gpus_head_only, cluster_gpu_count()]}
-out["free"] = weight_sync_actor_options(cfg("redis", "redis://10.0.0.9:6379"), 2)
+head = ray.get_runtime_context().get_node_id()
+out = {"head": head, "gpus": [gpus_head_only, cluster_gpu_count()]}
+out["free"] = weight_sync_actor_options(cfg("redis", "redis://10.0.0.9:6379"), 2, ray.nodes(), head)
 # CPU run, shm plane, private Redis: real trainer ranks (the tiny model), pinned like the launcher's
-where = weight_sync_actor_options(cfg("shm", None), 0)
+where = weight_sync_actor_options(cfg("shm", None), 0, ray.nodes(), head)
 group = TrainerGroup(2, model, redis_url, "placement", actor_options=where, shm_root=shm_root, lr=1e-3, loss={})
 tasks = [node_of_task.options(**where).remote() for _ in range(6)]
 out["ranks"] = ray.get([r.node_id.remote() for r in group.ranks])
 out["tasks"] = ray.get(tasks)
 # 2 GPUs for the policy and the ranks: not on the launcher's node, so the other one
-where = weight_sync_actor_options(cfg("shm", "redis://10.0.0.9:6379"), 2)
+where = weight_sync_actor_options(cfg("shm", "redis://10.0.0.9:6379"), 2, ray.nodes(), head)
 out["gpu"] = ray.get([node_of_task.options(num_gpus=1, **where).remote() for _ in range(2)])
 try:
-    weight_sync_actor_options(cfg("shm", None), 3)
+    weight_sync_actor_options(cfg("shm", None), 3, ray.nodes(), head)
 except ConfigError as e:
     out["refused"] = str(e)
 print(json.dumps(out))

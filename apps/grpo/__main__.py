@@ -164,7 +164,7 @@ def run(cfg, console: Console) -> dict:
 
     from apps.grpo.loop import engine_files_record, resume_from_checkpoint, run_grpo, start_actors
     from apps.grpo.node_cleanup import remove_run_files
-    from apps.grpo.placement import cluster_gpu_count, pinned_to_launchers_host, plan_placement
+    from apps.grpo.placement import cluster_gpu_count, plan_placement
     from apps.grpo.run_lock import RunLock, RunLocked, lock_path
     from tasks.arithmetic import ArithmeticTask
     from weightsync.push import run_dir
@@ -226,9 +226,7 @@ def run(cfg, console: Console) -> dict:
         # Weights in shared memory live on the policy's node: its /dev/shm is checked there, by
         # the trainer ranks as they start, when that is not this host (a GPU-less head node's
         # small /dev/shm says nothing about it).
-        launcher_node = ray.get_runtime_context().get_node_id()
-        shm_here = pinned_to_launchers_host(placement.weight_sync, ray.nodes(), launcher_node)
-        check_data_plane_room(cfg, model_path, policy_dtype, redis_url, shm_here=shm_here)
+        check_data_plane_room(cfg, model_path, policy_dtype, redis_url, shm_here=placement.on_launchers_host)
         prepare_output_dir(cfg, out_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["path"] = model_path

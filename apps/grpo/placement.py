@@ -99,16 +99,14 @@ def choose_node(nodes: list[dict], launcher_node: str, gpus: int, launcher_host_
     )
 
 
-def weight_sync_actor_options(cfg, gpus: int) -> dict:
+def weight_sync_actor_options(cfg, gpus: int, nodes: list[dict], launcher_node: str) -> dict:
     """Ray options that put the policy and the trainer ranks where the run's weight sync needs
-    them: ``{}`` where any node will do. Call with Ray up (it reads ``ray.nodes()``)."""
+    them: ``{}`` where any node will do. ``nodes``: ``ray.nodes()``."""
     data_plane, redis_url = cfg.weightsync.data_plane, cfg.redis.url
     if not needs_one_host(data_plane, redis_url):
         return {}
     why = "weightsync.data_plane=shm" if data_plane == "shm" else "without redis.url (a private Redis on a Unix socket)"
-    node = choose_node(
-        ray.nodes(), ray.get_runtime_context().get_node_id(), gpus, launcher_host_only=not redis_url, why=why
-    )
+    node = choose_node(nodes, launcher_node, gpus, launcher_host_only=not redis_url, why=why)
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
 
 
@@ -128,6 +126,7 @@ class Placement:
     it before anything is written)."""
 
     weight_sync: dict  # Ray options for the policy and the trainer ranks
+    on_launchers_host: bool  # those actors run on the launcher's host (its /dev/shm is theirs)
     reference_gpus: int  # 0 or 1
     notices: tuple[str, ...] = ()
 
@@ -135,8 +134,11 @@ class Placement:
 def plan_placement(cfg, use_cuda: bool) -> Placement:
     """Call with Ray up; raises ``ConfigError`` where the cluster has no room for the run."""
     policy_gpus, trainer_gpus = (cfg.policy.tp, cfg.trainer.ranks) if use_cuda else (0, 0)
-    where = weight_sync_actor_options(cfg, policy_gpus + trainer_gpus)  # one node for shm / the private Redis
+    nodes, launcher_node = ray.nodes(), ray.get_runtime_context().get_node_id()
+    # One node for the shm plane / the private Redis.
+    where = weight_sync_actor_options(cfg, policy_gpus + trainer_gpus, nodes, launcher_node)
     ref_gpus, why = 0, ""
     if cfg.algo.kl_coef > 0:
         ref_gpus, why = reference_gpus(cfg.algo.reference_device, cluster_gpu_count(), policy_gpus, trainer_gpus)
-    return Placement(where, ref_gpus, (why,) if why else ())
+    here = pinned_to_launchers_host(where, nodes, launcher_node)
+    return Placement(where, here, ref_gpus, (why,) if why else ())
