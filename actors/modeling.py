@@ -1,7 +1,8 @@
-"""Helpers shared by the actors that run a ``transformers`` model (trainer, reference)."""
+"""Helpers shared by the actors that load the model (policy, trainer, reference)."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import torch
@@ -12,20 +13,40 @@ from algos.grpo import token_logprobs
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
+def _in_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 def check_model_dir(path: str | Path) -> Path:
-    """Raise a clear ``ValueError`` unless ``path`` is a Hugging Face causal-LM directory."""
+    """Raise a clear ``ValueError`` unless ``path`` is a Hugging Face causal-LM directory.
+
+    The launcher checks the path on its own host; each actor that loads the model checks it
+    again where Ray placed it, since on a cluster that may be another host, where the path must
+    hold the same model (vLLM, given a path that is not there, takes it for a hub repo id and
+    fails with a message about repo names). Inside an actor the error names the host.
+    """
     p = Path(path)
+    where = ""
+    if _in_actor():
+        where = (
+            f" on host {socket.gethostname()} (on a Ray cluster, every node that runs the policy, a trainer "
+            "rank or the reference model needs the model at this path: a shared file system, or a copy)"
+        )
     if not p.is_dir():
-        raise ValueError(f"model.path {str(path)!r} does not exist or is not a directory")
+        raise ValueError(f"model.path {str(path)!r} does not exist or is not a directory{where}")
     if not (p / "config.json").is_file():
-        raise ValueError(f"model.path {str(path)!r} has no config.json; expected a Hugging Face model directory")
+        raise ValueError(f"model.path {str(path)!r} has no config.json{where}; expected a Hugging Face model directory")
     if not any((p / f).is_file() for f in WEIGHT_FILES):
         raise ValueError(
-            f"model.path {str(path)!r} has no safetensors weights ({' or '.join(WEIGHT_FILES)}); "
+            f"model.path {str(path)!r} has no safetensors weights ({' or '.join(WEIGHT_FILES)}){where}; "
             "expected a Hugging Face model directory saved with safe_serialization"
         )
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
-        raise ValueError(f"model.path {str(path)!r} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+        raise ValueError(
+            f"model.path {str(path)!r} has no tokenizer files (tokenizer.json / tokenizer_config.json){where}"
+        )
     return p
 
 

@@ -9,6 +9,7 @@ import ray
 
 from actors.engine_errors import engine_start_error, is_engine_start_failure, log_sizes, own_logs
 from actors.engine_shm import EngineFileRecord, private_ipc_dir, remove_ipc_dir
+from actors.modeling import check_model_dir
 from weightsync.store import WeightStore
 
 EXTENSION = "weightsync.vllm_extension.WeightSyncExtension"
@@ -48,6 +49,7 @@ class Policy:
         """``engine_files_record``: a JSON file where the engine's shared-memory files are
         listed while it starts, for the launcher to remove if this actor dies before it stops
         the engine (``actors.engine_shm``); None: not recorded."""
+        check_model_dir(model_path)  # here, on this actor's host (see actors.modeling)
         self.verify = verify  # check the tile checksums of every slice read in an update
         if omp_threads_bind:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind

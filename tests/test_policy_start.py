@@ -121,3 +121,29 @@ def test_a_policy_whose_engine_dies_starting_names_the_cause(ray_session, redis_
     message = failed.value.error_msg
     assert "EngineStartError: the vLLM engine did not start: RuntimeError: start (0) + length" in message, message
     assert "exceeds dimension size (384)" in message and "(its log: /" in message
+
+
+def test_actors_started_where_the_model_is_missing_name_the_path_and_the_host(ray_session, redis_url, tmp_path):
+    """On a cluster the launcher's host may have the model and an actor's host not: each actor
+    that loads it checks the path where it runs (vLLM would take a missing path for a hub repo
+    id and fail about repo names)."""
+    import socket
+
+    from actors.policy import Policy
+    from actors.reference import Reference
+    from actors.trainer import TrainerRank
+
+    missing = str(tmp_path / "not-here")
+    actors = {
+        "policy": Policy.remote(missing, redis_url, "missing-model"),
+        "trainer": TrainerRank.remote(0, 1, missing, redis_url, "missing-model"),
+        "reference": Reference.remote(missing),
+    }
+    for name, actor in actors.items():
+        with pytest.raises(ray_session.exceptions.RayActorError) as failed:
+            ray_session.get(actor.__ray_ready__.remote())
+        message = failed.value.error_msg
+        assert f"model.path {missing!r} does not exist or is not a directory on host {socket.gethostname()}" in (
+            message
+        ), (name, message)
+        assert "every node that runs the policy" in message, (name, message)
