@@ -1,7 +1,8 @@
 """A run's shared memory on Ray nodes other than the launcher's (a two-node cluster on this host)."""
 
-import os
-import time
+import subprocess
+import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import json, os, sys, threading, time
 from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
-from apps.grpo.node_cleanup import clean_other_nodes
+from apps.grpo.node_cleanup import clean_other_nodes, wait_for_exit
 
 shm_dir, engine_file = Path(sys.argv[1]), sys.argv[2]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -42,9 +43,11 @@ nothing = clean_other_nodes([], shm_dir, shm_dir / "engine-files.json")  # as at
 writer = Writer.remote()
 node, pid = ray.get(writer.write.remote())
 freed = clean_other_nodes([writer], shm_dir, shm_dir / "engine-files.json")
+exited = wait_for_exit([pid], 0) == []  # before the removal, so already now
 head = ray.get_runtime_context().get_node_id()
 time.sleep(1)  # a writer still alive would have made its folder again by now
-out = {"node": node, "head": head, "pid": pid, "freed": freed, "nothing": nothing, "left": shm_dir.exists()}
+out = {"node": node, "head": head, "pid": pid, "freed": freed, "nothing": nothing, "exited": exited}
+out["left"] = shm_dir.exists()
 print(json.dumps(out))
 ray.shutdown()
 cluster.shutdown()
@@ -59,17 +62,23 @@ def test_a_runs_shared_memory_on_another_node_is_removed_there(tmp_path):
         assert list(out["nothing"].values()) == [0]  # one other node, nothing there yet
         assert out["node"] != out["head"]  # the files were written on the other node
         assert out["freed"] == {out["node"]: 3 * 2**20}  # removed by a task there, and only there
-        assert not out["left"]  # the writer was killed before its files were removed
+        assert out["exited"]  # the removal waited for the killed writer's process to end
+        assert not out["left"]  # so it could not make its folder again
         assert not shm_dir.exists() and not engine_file.exists()
         assert Path("/etc/hostname").exists()  # a record is data: only vLLM's /dev/shm files go
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(out["pid"], 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"the writer actor (pid {out['pid']}) is still alive")
     finally:
         engine_file.unlink(missing_ok=True)
+
+
+def test_wait_for_exit_returns_the_processes_still_alive():
+    from apps.grpo.node_cleanup import wait_for_exit
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    reaper = threading.Thread(target=child.wait)  # as the raylet reaps its workers (no zombie left)
+    reaper.start()
+    try:
+        assert wait_for_exit([child.pid], 0.05) == [child.pid]
+        assert wait_for_exit([child.pid], 10) == []
+    finally:
+        child.kill()
+        reaper.join()
