@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import ray
 
+from actors.config import PolicyConfig
 from actors.engine_errors import engine_start_error, is_engine_start_failure, log_sizes, own_logs
 from actors.engine_shm import EngineFileRecord, private_ipc_dir, remove_ipc_dir
 from actors.modeling import check_model_dir
@@ -28,6 +29,13 @@ class Sample:
     finished: bool  # stopped on EOS (not on the length limit)
 
 
+@dataclass
+class Generation:
+    prompt_ids: list[list[int]]  # each prompt's tokens, as the engine tokenised it
+    samples: list[list[Sample]]  # each prompt's samples
+    version: int  # the weights version that produced them
+
+
 @ray.remote(num_cpus=0)
 class Policy:
     def __init__(
@@ -35,26 +43,25 @@ class Policy:
         model_path: str,
         redis_url: str,
         run: str,
+        config: PolicyConfig,
+        *,
         replica: str = "policy-0",
-        tp: int = 1,
-        dtype: str = "float32",
-        max_model_len: int = 64,
-        kv_cache_mib: int = 256,
-        enforce_eager: bool = True,
         seed: int = 0,
-        omp_threads_bind: str | None = None,
         verify: bool = True,
         engine_files_record: str | None = None,
     ) -> None:
-        """``engine_files_record``: a JSON file where the engine's shared-memory files are
-        listed while it starts, for the launcher to remove if this actor dies before it stops
-        the engine (``actors.engine_shm``); None: not recorded."""
+        """``config``: the ``policy`` group with ``dtype`` resolved (not ``auto``). ``verify``:
+        check the tile checksums of every slice read in an update. ``engine_files_record``: a
+        JSON file where the engine's shared-memory files are listed while it starts, for the
+        launcher to remove if this actor dies before it stops the engine
+        (``actors.engine_shm``); None: not recorded."""
         check_model_dir(model_path)  # here, on this actor's host (see actors.modeling)
-        self.verify = verify  # check the tile checksums of every slice read in an update
-        if omp_threads_bind:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind
+        self.config = config
+        self.verify = verify
+        if config.omp_threads_bind:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.omp_threads_bind
         else:
-            _bind_tp_workers_on_cpu(tp)
+            _bind_tp_workers_on_cpu(config.tp)
         # The engine's ZeroMQ sockets go to a folder of its own, removed when it stops (vLLM
         # leaves them in the temp folder otherwise; see actors.engine_shm).
         self.ipc_dir = private_ipc_dir()
@@ -66,11 +73,11 @@ class Policy:
         try:
             self.llm = LLM(
                 model=model_path,
-                tensor_parallel_size=tp,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                kv_cache_memory_bytes=kv_cache_mib * 2**20,
-                enforce_eager=enforce_eager,
+                tensor_parallel_size=config.tp,
+                dtype=config.dtype,
+                max_model_len=config.max_model_len,
+                kv_cache_memory_bytes=config.kv_cache_mib * 2**20,
+                enforce_eager=config.enforce_eager,
                 seed=seed,
                 worker_extension_cls=EXTENSION,
             )
@@ -96,10 +103,9 @@ class Policy:
         if self._invalid is not None:
             raise PolicyWeightsInvalid(self._invalid)
 
-    def generate(
-        self, prompts: list[str], n: int, temperature: float = 1.0, max_tokens: int = 8, seed: int | None = None
-    ) -> tuple[list[list[Sample]], int]:
-        """``n`` samples per prompt and the policy version that produced them.
+    def generate(self, prompts: list[str], n: int, seed: int | None = None) -> Generation:
+        """``n`` samples per prompt (at ``policy.temperature``, at most ``policy.max_tokens``
+        each) and the policy version that produced them.
 
         Log-probabilities are those of the sampling distribution: with ``temperature=1`` and no
         top-k/top-p they are the model's own, which the trainer recomputes.
@@ -112,29 +118,31 @@ class Policy:
         params = [
             SamplingParams(
                 n=n,
-                temperature=temperature,
-                max_tokens=max_tokens,
+                temperature=self.config.temperature,
+                max_tokens=self.config.max_tokens,
                 logprobs=0,
                 seed=None if seed is None else seed + i * n,
             )
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        result = []
+        samples = []
         for out in outputs:
-            samples = []
+            group = []
             for c in out.outputs:
                 lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
-                samples.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason == "stop"))
-            result.append(samples)
-        return result, self.version
+                group.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason == "stop"))
+            samples.append(group)
+        return Generation([list(o.prompt_token_ids) for o in outputs], samples, self.version)
 
-    def greedy(self, prompts: list[str], max_tokens: int = 8) -> list[tuple[str, bool]]:
-        """Greedy completion text of each prompt, and whether it ended on EOS."""
+    def greedy(self, prompts: list[str], max_tokens: int | None = None) -> list[tuple[str, bool]]:
+        """Greedy completion text of each prompt (at most ``max_tokens``, default
+        ``policy.max_tokens``), and whether it ended on EOS."""
         self._check_weights()
         from vllm import SamplingParams
 
-        outputs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens or self.config.max_tokens)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in outputs]
 
     def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float | None]]:

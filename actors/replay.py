@@ -10,8 +10,7 @@ from algos.episodes import Episode
 @ray.remote(num_cpus=0)
 class ReplayBuffer:
     def __init__(self, max_staleness: int = 0) -> None:
-        if max_staleness < 0:
-            raise ValueError(f"replay.max_staleness={max_staleness} must be >= 0")
+        """``max_staleness``: ``algo.max_staleness`` (checked with the config)."""
         self.max_staleness = max_staleness
         self.episodes: list[Episode] = []
         self.evicted = 0

@@ -1,13 +1,32 @@
-"""GRPO math: group advantages, KL estimators, the clipped policy loss and its variants.
+"""GRPO: group-normalised advantages, no critic.
 
-Pure tensor functions, no Ray or vLLM. Shapes: ``B`` sequences, ``T`` token positions; per-token
-tensors are aligned so that position ``t`` holds the log-probability of token ``t`` of the
-sequence, and ``mask`` is 1 exactly on completion tokens.
+Each prompt is sampled ``group_size`` times; an episode's advantage is its reward's distance
+from its group's mean (divided by the group's std unless ``advantage_std_norm=false``, Dr.
+GRPO), the same for every token of its completion. With ``kl_mode=reward`` each reward is first
+reduced by ``kl_coef`` times the sum of the per-token KL to the reference model.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from algos.base import AlgoConfig
+from algos.episodes import Episode
+from algos.policy_loss import PolicyLoss, kl_estimate
+
+
+@dataclass
+class GRPOConfig(AlgoConfig):
+    group_size: int
+    advantage_std_norm: bool
+
+    def rules(self) -> list[tuple[bool, str, str]]:
+        return [
+            (self.group_size >= 2, "group_size", "an integer >= 2 (GRPO compares samples within a group)"),
+            *super().rules(),
+        ]
 
 
 def group_advantages(
@@ -31,130 +50,42 @@ def group_advantages(
     return ((grouped - mean) / (std + eps)).view(-1)
 
 
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
-    log_ratio = ref_logprobs - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1
+def kl_shaped_rewards(episodes: list[Episode], coef: float, estimator: str) -> list[float]:
+    """Each episode's reward less ``coef * sum_t KL_t`` (the estimator applied to the rollout's and
+    the reference's logprobs of its completion tokens); the rewards themselves when ``coef`` is 0."""
+    if not coef:
+        return [e.reward for e in episodes]
+    if any(e.ref_logprobs is None for e in episodes):
+        raise ValueError("KL as a reward penalty needs the reference logprobs of every episode")
+    return [
+        e.reward
+        - coef * kl_estimate(torch.tensor(e.rollout_logprobs), torch.tensor(e.ref_logprobs), estimator).sum().item()
+        for e in episodes
+    ]
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1, k2, k3).
+class Algorithm:
+    Config = GRPOConfig
+    uses_critic = False
 
-    With ``r = ref - logp``: ``k1 = -r`` (unbiased, can be negative), ``k2 = r^2 / 2``,
-    ``k3 = exp(r) - r - 1`` (unbiased and >= 0).
-    """
-    if estimator == "k1":
-        return logprobs - ref_logprobs
-    if estimator == "k2":
-        return 0.5 * (ref_logprobs - logprobs) ** 2
-    if estimator == "k3":
-        return kl_k3(logprobs, ref_logprobs)
-    raise ValueError(f"unknown KL estimator {estimator!r}; allowed: {list(KL_ESTIMATORS)}")
+    def __init__(self, config: GRPOConfig, max_tokens: int) -> None:
+        self.config = config
+        self.max_tokens = max_tokens
+        self.samples_per_prompt = config.group_size
+        self.uses_reference = config.uses_reference
 
+    def policy_loss(self) -> PolicyLoss:
+        return self.config.policy_loss(self.max_tokens)
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+    def critic(self) -> None:
+        return None
 
-
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, length_normalizer: float | None = None):
-    """Reduce per-token ``values`` to a scalar.
-
-    - ``token_mean``: mean over all completion tokens of the batch;
-    - ``seq_mean_token_mean``: mean over each sequence's tokens, then over sequences;
-    - ``seq_mean_token_sum_norm`` (Dr. GRPO): each sequence's token sum divided by the constant
-      ``length_normalizer`` (e.g. the generation length limit), then mean over sequences.
-    """
-    if mode == "token_mean":
-        return masked_mean(values, mask)
-    per_seq_sum = (values * mask).sum(dim=-1)
-    if mode == "seq_mean_token_mean":
-        return (per_seq_sum / mask.sum(dim=-1).clamp(min=1)).mean()
-    if mode == "seq_mean_token_sum_norm":
-        if not length_normalizer or length_normalizer <= 0:
-            raise ValueError("seq_mean_token_sum_norm needs a positive length_normalizer")
-        return (per_seq_sum / length_normalizer).mean()
-    raise ValueError(f"unknown loss aggregation {mode!r}; allowed: {list(LOSS_AGGREGATIONS)}")
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` over positions where ``mask`` is 1 (token-mean over the whole batch)."""
-    return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
-def grpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    kl_coef: float = 0.0,
-    ref_logprobs: torch.Tensor | None = None,
-    clip_eps_high: float | None = None,
-    kl_estimator: str = "k3",
-    aggregation: str = "token_mean",
-    length_normalizer: float | None = None,
-    tis_cap: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-ratio GRPO loss with an optional KL penalty.
-
-    ``ratio_t = exp(logp_t - old_logp_t)``;
-    ``L = -agg_t[w_t min(ratio_t A, clip(ratio_t, 1 - eps_low, 1 + eps_high) A) - beta KL_t]``,
-    with the sequence's advantage ``A`` broadcast over its tokens, ``eps_high`` defaulting to
-    ``eps_low = clip_eps`` (asymmetric clipping when they differ), ``KL_t`` the chosen estimator
-    and ``agg`` the chosen aggregation (see ``aggregate``). ``old_logprobs`` are those the
-    rollout was sampled with (vLLM's).
-
-    Truncated importance sampling (``tis_cap``): vLLM's logprobs differ slightly from the
-    trainer's. With a cap, the ratio is taken against the trainer's own (detached) logprobs and
-    each token is weighted by ``w_t = min(exp(logp_t - old_logp_t), tis_cap)``, the truncated
-    correction from the sampler's distribution to the trainer's; without it ``w_t = 1``.
-    Returns the loss and detached metrics.
-    """
-    mask = mask.to(logprobs.dtype)
-    adv = advantages.to(logprobs.dtype).unsqueeze(-1)
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if tis_cap is None:
-        ratio = torch.exp(logprobs - old_logprobs)
-        weight = torch.ones_like(logprobs)
-    else:
-        ratio = torch.exp(logprobs - logprobs.detach())
-        weight = torch.clamp(torch.exp(logprobs.detach() - old_logprobs), max=tis_cap)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + eps_high) * adv
-    objective = weight * torch.minimum(unclipped, clipped)
-    kl = torch.zeros_like(logprobs)
-    if kl_coef:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
-    loss = -aggregate(objective - kl_coef * kl, mask, aggregation, length_normalizer)
-    with torch.no_grad():
-        metrics = {
-            "loss": loss.item(),
-            "kl": masked_mean(kl, mask).item(),
-            "clip_frac": masked_mean((unclipped != clipped).to(mask.dtype), mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
-            "tis_weight_mean": masked_mean(weight, mask).item(),
-        }
-    return loss, metrics
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the distribution that predicts token ``t``, aligned like ``token_logprobs``.
-
-    ``out[b, t] = -sum_v p log p`` with ``p = softmax(logits[b, t - 1])``, and 0 at ``t = 0``.
-    """
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
-    return torch.nn.functional.pad(entropy, (1, 0))
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """``out[b, t] = log softmax(logits[b, t - 1])[input_ids[b, t]]``, and 0 at ``t = 0``.
-
-    ``logits`` is the causal LM output ``[B, T, V]`` for ``input_ids`` ``[B, T]``: position
-    ``t - 1`` predicts token ``t``.
-    """
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.nn.functional.pad(picked, (1, 0))
+    def make_experience(self, episodes: list[Episode]) -> dict[str, float]:
+        """Set each episode's advantages (its group advantage on every token); ``episodes`` come
+        in groups of ``group_size`` samples of one prompt. No metrics of its own."""
+        cfg = self.config
+        rewards = kl_shaped_rewards(episodes, cfg.kl_reward_coef, cfg.kl_estimator)
+        advantages = group_advantages(torch.tensor(rewards), cfg.group_size, normalize_std=cfg.advantage_std_norm)
+        for e, a in zip(episodes, advantages.tolist(), strict=True):
+            e.advantages = [a] * len(e.completion_ids)
+        return {}

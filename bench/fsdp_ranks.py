@@ -27,7 +27,7 @@ def _rank_main(rank: int, world: int, init_file: str, model_path: str, conn) -> 
     from torch.distributed.fsdp import fully_shard
 
     from actors.modeling import load_causal_lm
-    from weightsync.push import WeightPusher
+    from tests.configs import make_pusher
     from weightsync.store import WeightStore
 
     torch.set_num_threads(1)
@@ -44,7 +44,7 @@ def _rank_main(rank: int, world: int, init_file: str, model_path: str, conn) -> 
             key = (redis_url, run, shm_root, dtype, data_plane)
             if key not in pushers:
                 store = WeightStore(redis_url, run)
-                pushers[key] = WeightPusher(store, shm_root, dtype=dtype, keep_last=1, data_plane=data_plane)
+                pushers[key] = make_pusher(store, shm_root, dtype=dtype, keep_last=1, data_plane=data_plane)
             return pushers[key]
 
         while True:

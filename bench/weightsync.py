@@ -312,12 +312,12 @@ def redis_plane_vs_baseline(
     Ours: push through ``data_plane="redis"`` (checksums on) and read every tensor back whole
     (verified) into destination buffers kept across repeats. Baseline (b): redis-py SET + GET.
     """
-    from weightsync.push import WeightPusher
+    from tests.configs import make_pusher
     from weightsync.reader import ChunkSource, read_box
     from weightsync.store import WeightStore
 
     store = WeightStore(url, f"bench-redis-plane-{uuid.uuid4().hex[:8]}")
-    pusher = WeightPusher(store, shm_root, dtype=dtype, keep_last=1, data_plane="redis")
+    pusher = make_pusher(store, shm_root, dtype=dtype, keep_last=1, data_plane="redis")
     out = {k: torch.empty_like(v) for k, v in state_dict.items()}
     sets, gets, pushes, reads = [], [], [], []
     for version in range(1, repeats + 1):
@@ -363,7 +363,7 @@ def redis_first_pushes(state_dict: dict[str, torch.Tensor], dtype: str, shm_root
     """The Redis data plane's first pushes of a run, each mode into a fresh private Redis: as
     they come (Redis allocates every value) and after ``WeightPusher.reserve`` (as each trainer
     rank does at start, in the background while the engine starts: its time is apart)."""
-    from weightsync.push import WeightPusher
+    from tests.configs import make_pusher
     from weightsync.redis_server import LocalRedis
     from weightsync.store import WeightStore
 
@@ -371,7 +371,7 @@ def redis_first_pushes(state_dict: dict[str, torch.Tensor], dtype: str, shm_root
     for reserve in (False, True):
         with LocalRedis() as server:
             store = WeightStore(server.url, "bench-first-pushes")
-            pusher = WeightPusher(store, shm_root, dtype=dtype, keep_last=1, data_plane="redis")
+            pusher = make_pusher(store, shm_root, dtype=dtype, keep_last=1, data_plane="redis")
             if reserve:
                 t = time.perf_counter()
                 pusher.reserve(state_dict, background=False)
@@ -437,11 +437,11 @@ def _adam_like_step(master: dict[str, torch.Tensor], names: list[str], g: torch.
 
 def delta_sync(llm, state_dict, redis_url, shm_root, run, dtype_name, layers, vocab, steps) -> dict:
     """Delta pushes of RL-like steps with half the model frozen, through vLLM (see the docstring)."""
-    from weightsync.push import WeightPusher
+    from tests.configs import make_pusher
     from weightsync.store import WeightStore
 
     store = WeightStore(redis_url, run)
-    pusher = WeightPusher(store, shm_root, dtype=dtype_name, keep_last=1, delta=True)
+    pusher = make_pusher(store, shm_root, dtype=dtype_name, keep_last=1, delta=True)
     master = {k: v.clone() for k, v in state_dict.items()}
     moving = [k for k in master if not _frozen(k, layers)]
     g = torch.Generator().manual_seed(1)
@@ -465,7 +465,7 @@ def delta_sync(llm, state_dict, redis_url, shm_root, run, dtype_name, layers, vo
                 skipped.append(max(s["bytes_skipped"] for s in upd))
         lp_delta = prompt_logprobs(llm, vocab)
         check = WeightStore(redis_url, f"{run}-whole")
-        whole = WeightPusher(check, shm_root, dtype=dtype_name, keep_last=1)
+        whole = make_pusher(check, shm_root, dtype=dtype_name, keep_last=1)
         whole.push(master, 1)
         check.lease(1, "bench")
         llm.collective_rpc("update_weights_from_store", args=(redis_url, check.run, 1))
@@ -489,11 +489,11 @@ def delta_sync(llm, state_dict, redis_url, shm_root, run, dtype_name, layers, vo
 def delta_bf16_dense(state_dict, redis_url, shm_root, run, steps) -> dict:
     """Every weight moves by an Adam-sized step; a bfloat16 policy copy is pushed with delta sync.
     How much stays equal: row blocks (what delta sync reuses) and single elements."""
-    from weightsync.push import WeightPusher
+    from tests.configs import make_pusher
     from weightsync.store import WeightStore
 
     store = WeightStore(redis_url, run)
-    pusher = WeightPusher(store, shm_root, dtype="bfloat16", keep_last=1, delta=True)
+    pusher = make_pusher(store, shm_root, dtype="bfloat16", keep_last=1, delta=True)
     master = {k: v.float().clone() for k, v in state_dict.items()}
     g = torch.Generator().manual_seed(2)
     saved, same = [], []
@@ -517,11 +517,11 @@ def _bf16_phase(llm, state_dict, redis_url, shm_root, run, vocab, data_plane, pa
     """``PATCH_STEPS`` bf16 versions of the same Adam-like steps on every weight (seeded alike in
     every phase), pushed whole or with element patches, each followed by a vLLM update; the
     pusher's files reserved first, as a run does. Medians of the versions after the first."""
-    from weightsync.push import WeightPusher
+    from tests.configs import make_pusher
     from weightsync.store import WeightStore
 
     store = WeightStore(redis_url, run)
-    pusher = WeightPusher(
+    pusher = make_pusher(
         store, shm_root, dtype="bfloat16", keep_last=1, data_plane=data_plane, delta=patches, delta_elements=patches
     )
     master = {k: v.float().clone() for k, v in state_dict.items()}
@@ -596,7 +596,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
     from safetensors.torch import load_file
     from vllm import LLM
 
-    from weightsync.push import WeightPusher
+    from tests.configs import make_pusher
     from weightsync.store import WeightStore
 
     path = root / size
@@ -619,7 +619,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
     for tp in tp_list:
         run = f"bench-{size}-tp{tp}"
         store = WeightStore(redis_url, run)
-        pusher = WeightPusher(store, shm_root, dtype=dtype_name, keep_last=1)
+        pusher = make_pusher(store, shm_root, dtype=dtype_name, keep_last=1)
         run2 = f"bench-{size}-tp{tp}-r2"
         store2 = WeightStore(redis_url, run2)
         # As the trainer ranks do at start: the first pushes' shard files are allocated while
@@ -659,14 +659,14 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         if ranks2 is not None:
             push2 = functools.partial(_push_two_ranks, ranks2, redis_url, run2, shm_root, dtype_name)
             measured[2] = _measure(llm, redis_url, store2, push2, versions)
-            WeightPusher(store2, shm_root).remove_all()  # 3 versions' shards: not needed any more
+            make_pusher(store2, shm_root).remove_all()  # 3 versions' shards: not needed any more
         # Baselines (b) then (a), checked: doubled weights through each, then the same through
         # our update; (b) runs first, so it is what moves the logprobs away from the current ones.
         # The first measure above ran our update at least once, so the comparison is warm too.
         before = prompt_logprobs(llm, vocab)
         doubled = {k: v * 2 for k, v in state_dict.items()}
         check_store = WeightStore(redis_url, f"{run}-a")  # its own run: versions of its own
-        check_pusher = WeightPusher(check_store, shm_root, dtype=dtype_name, keep_last=1)
+        check_pusher = make_pusher(check_store, shm_root, dtype=dtype_name, keep_last=1)
         check_version = 1
         check_pusher.push(doubled, check_version)
         check_store.lease(check_version, "bench")
@@ -694,7 +694,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
             llm.llm_engine.engine_core.shutdown()
             del llm
             pusher.remove_all()
-            WeightPusher(store2, shm_root).remove_all()
+            make_pusher(store2, shm_root).remove_all()
             store.close()
             store2.close()
             rows += _rows_ranks2(
@@ -707,7 +707,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
             unverified.append(_timed_update(llm, redis_url, store, version, verify=False)[1])
         # Through the Redis data plane, steady state as above: until a retire frees the values of
         # an older version, every push makes Redis fault in fresh pages.
-        redis_pusher = WeightPusher(store, shm_root, dtype=dtype_name, keep_last=1, data_plane="redis")
+        redis_pusher = make_pusher(store, shm_root, dtype=dtype_name, keep_last=1, data_plane="redis")
         redis_pushes, redis_updates = [], []
         first = last + repeats + 1
         for version in range(first, first + WARMUP_VERSIONS + repeats):
@@ -743,7 +743,7 @@ def _bench_size(size, ranks_list, tp_list, dtype, redis_url, shm_root, repeats, 
         llm.llm_engine.engine_core.shutdown()  # its processes and shared-memory queues
         del llm
         pusher.remove_all()
-        WeightPusher(store2, shm_root).remove_all()
+        make_pusher(store2, shm_root).remove_all()
         store.close()
         store2.close()
         gc.collect()

@@ -4,15 +4,18 @@ A problem is ``a op b`` with ``op`` in the configured operators and ``a``, ``b``
 ``[low, high]``. The prompt text is exactly ``f"{a}{op}{b}="``; the correct completion is
 ``str(result)`` followed by EOS.
 
-Splits are deterministic: every problem of the finite space is assigned to the held-out eval
-split or to the train split by a seeded permutation, so the two never share a problem and the
-same seed always gives the same splits.
+Splits are deterministic: every problem of the finite space is assigned to the held-out split
+or to the train split by a seeded permutation, so the two never share a problem and the same
+seed always gives the same splits.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from tasks.base import Problem, TaskConfig, shuffled_batches
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b}
 
@@ -20,19 +23,28 @@ OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b}
 ALPHABET = "0123456789+-="
 
 
-@dataclass(frozen=True)
-class Problem:
-    a: int
-    op: str
-    b: int
+@dataclass
+class ArithmeticConfig(TaskConfig):
+    low: int
+    high: int
+    ops: list[str]
+    eval_size: int
+    format_reward: float
 
-    @property
-    def prompt(self) -> str:
-        return f"{self.a}{self.op}{self.b}="
+    def rules(self) -> list[tuple[bool, str, str]]:
+        space = len(self.ops) * (self.high - self.low + 1) ** 2
+        return [
+            (self.low >= 0, "low", "an integer >= 0"),
+            (self.high >= self.low, "high", f"an integer >= task.low={self.low}"),
+            (bool(self.ops) and set(self.ops) <= set(OPERATORS), "ops", f"a non-empty list of {sorted(OPERATORS)}"),
+            (0 < self.eval_size < space, "eval_size", f"between 1 and {space - 1} (the space has {space} problems)"),
+            (0 <= self.format_reward < 1, "format_reward", "a number within [0, 1)"),
+            *super().rules(),
+        ]
 
-    @property
-    def answer(self) -> str:
-        return str(OPERATORS[self.op](self.a, self.b))
+
+def problem(a: int, op: str, b: int) -> Problem:
+    return Problem(f"{a}{op}{b}=", str(OPERATORS[op](a, b)))
 
 
 def reward(problem: Problem, completion: str, finished: bool, format_reward: float = 0.0) -> float:
@@ -55,52 +67,39 @@ def _is_integer(text: str) -> bool:
     return digits.isdigit() and (digits == "0" or not digits.startswith("0"))
 
 
-class ArithmeticTask:
-    """The problem space, split into train and held-out eval sets by ``seed``."""
+@dataclass(frozen=True)
+class ArithmeticScorer:
+    format_reward: float = 0.0
 
-    def __init__(
-        self,
-        low: int = 0,
-        high: int = 99,
-        ops: tuple[str, ...] | list[str] = ("+", "-"),
-        eval_size: int = 500,
-        seed: int = 0,
-    ) -> None:
-        ops = tuple(ops)
-        if low < 0 or high < low:
-            raise ValueError(f"task operand range [{low}, {high}] is invalid: need 0 <= low <= high")
-        unknown = [op for op in ops if op not in OPERATORS]
-        if not ops or unknown:
-            raise ValueError(f"task.ops {list(ops)} is invalid: allowed operators are {sorted(OPERATORS)}")
-        problems = [Problem(a, op, b) for op in ops for a in range(low, high + 1) for b in range(low, high + 1)]
-        if not 0 < eval_size < len(problems):
-            raise ValueError(
-                f"task.eval_size={eval_size} must be between 1 and {len(problems) - 1} "
-                f"(the space [{low}, {high}] x {list(ops)} has {len(problems)} problems)"
-            )
-        random.Random(seed).shuffle(problems)
-        self.eval_problems: list[Problem] = problems[:eval_size]
-        self.train_problems: list[Problem] = problems[eval_size:]
+    def score(self, problem: Problem, completion: str, finished: bool) -> float:
+        return reward(problem, completion, finished, self.format_reward)
+
+    def is_correct(self, problem: Problem, completion: str, finished: bool) -> bool:
+        return finished and completion == problem.answer
+
+
+def split(low: int, high: int, ops: tuple[str, ...] | list[str], eval_size: int, seed: int):
+    """(train, held-out) problems of the space ``[low, high]^2 x ops``, split by ``seed``."""
+    problems = [problem(a, op, b) for op in ops for a in range(low, high + 1) for b in range(low, high + 1)]
+    random.Random(seed).shuffle(problems)
+    return problems[eval_size:], problems[:eval_size]
+
+
+class Task:
+    Config = ArithmeticConfig
+
+    def __init__(self, config: ArithmeticConfig, seed: int, tokenizer=None) -> None:
         self.seed = seed
+        self.train_problems, self.heldout = split(config.low, config.high, config.ops, config.eval_size, seed)
+        self.scorer = ArithmeticScorer(config.format_reward)
+        self.summary_line = (
+            f"arithmetic {config.low}..{config.high} {' '.join(config.ops)}: "
+            f"{len(self.train_problems)} train / {len(self.heldout)} held-out problems"
+        )
 
-    def train_batches(self, batch_size: int, start: int = 0):
-        """Endless deterministic stream of train batches; ``start`` skips that many batches.
+    def train_batches(self, batch_size: int, start: int = 0) -> Iterator[list[Problem]]:
+        """Each epoch is a fresh seeded permutation of the train split."""
+        return shuffled_batches(self.train_problems, batch_size, self.seed, start)
 
-        Each epoch is a fresh seeded permutation of the train split.
-        """
-        n = len(self.train_problems)
-        index = start * batch_size
-        while True:
-            epoch, offset = divmod(index, n)
-            order = list(range(n))
-            random.Random(self.seed * 1_000_003 + epoch + 1).shuffle(order)
-            batch = []
-            while len(batch) < batch_size:
-                if offset == n:
-                    epoch, offset = epoch + 1, 0
-                    order = list(range(n))
-                    random.Random(self.seed * 1_000_003 + epoch + 1).shuffle(order)
-                batch.append(self.train_problems[order[offset]])
-                offset += 1
-                index += 1
-            yield batch
+    def summary(self) -> str:
+        return self.summary_line

@@ -41,7 +41,7 @@ def _leave() -> None:
 def _rank_main(rank, world, init_file, model_path, seed, redis_url, run, shm_root, version, dtype, data_plane):
     from torch.distributed.fsdp import fully_shard
 
-    from weightsync.push import WeightPusher
+    from tests.configs import make_pusher
     from weightsync.store import WeightStore
 
     torch.set_num_threads(1)
@@ -51,7 +51,7 @@ def _rank_main(rank, world, init_file, model_path, seed, redis_url, run, shm_roo
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-        pusher = WeightPusher(WeightStore(redis_url, run), shm_root, dtype=dtype, data_plane=data_plane)
+        pusher = make_pusher(WeightStore(redis_url, run), shm_root, dtype=dtype, data_plane=data_plane)
         pusher.push(model.state_dict(), version)
     finally:
         dist.destroy_process_group()
@@ -85,18 +85,18 @@ def _versions_main(
 ):
     """One pusher per rank for several versions; version ``i`` is the model with the edits of
     pushes ``0..i`` applied. Writes each push's stats to ``{out}-{rank}.json``. ``options``: more
-    ``WeightPusher`` keyword arguments."""
+    ``weightsync`` settings."""
     import json
 
     from torch.distributed.fsdp import fully_shard
 
-    from weightsync.push import WeightPusher
+    from tests.configs import make_pusher
     from weightsync.store import WeightStore
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        pusher = WeightPusher(
+        pusher = make_pusher(
             WeightStore(redis_url, run),
             shm_root,
             keep_last=len(pushes),
@@ -123,7 +123,7 @@ def push_versions_from_ranks(
     world, tmp_path, model_path, seed, redis_url, run, shm_root, pushes, data_plane="shm", **options
 ):
     """Delta-push ``pushes`` = [(version, [(param, lo, hi, value), ...]), ...] from ``world``
-    FSDP2 ranks (``options``: more ``WeightPusher`` keyword arguments); returns each rank's list
+    FSDP2 ranks (``options``: more ``weightsync`` settings); returns each rank's list
     of push stats."""
     import json
 

@@ -15,9 +15,11 @@ def running_policy(ray, model_path: str, redis_url: str, run: str, replica: str,
     otherwise leave ~170 MiB of vLLM queues in /dev/shm)."""
     from actors.engine_shm import remove_recorded
     from actors.policy import Policy
+    from tests.configs import policy_config
 
     record = Path(tempfile.mkdtemp(prefix="engine-record-")) / "engine-files.json"
-    actor = Policy.remote(model_path, redis_url, run, replica=replica, tp=tp, engine_files_record=str(record))
+    config = policy_config(tp=tp)
+    actor = Policy.remote(model_path, redis_url, run, config, replica=replica, engine_files_record=str(record))
     try:
         ray.get(actor.__ray_ready__.remote())
         yield actor

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from actors.modeling import load_causal_lm
+from tests.configs import make_pusher
 from tests.fsdp_push import perturbed_model, push_from_ranks
 from tests.policies import running_policy
 from tests.test_weight_update import TOL, _hf_logprobs, _max_diff, _vllm_logprobs
-from weightsync.push import WeightPusher
 from weightsync.store import WeightStore
 
 pytestmark = pytest.mark.slow
@@ -94,7 +94,7 @@ def test_tp2_update_matches_transformers(arch_policy, ranks, ray_session, redis_
 
     version = next(VERSIONS)
     if ranks == 1:
-        WeightPusher(WeightStore(redis_url, run), shm_root=tmp_path).push(model.state_dict(), version)
+        make_pusher(WeightStore(redis_url, run), shm_root=tmp_path).push(model.state_dict(), version)
     else:
         push_from_ranks(ranks, tmp_path, folder, seed, redis_url, run, tmp_path, version)
     stats = ray_session.get(policy.update_weights.remote(version))
@@ -107,6 +107,6 @@ def test_tp2_update_matches_transformers(arch_policy, ranks, ray_session, redis_
     assert max(stats["bytes_read_per_worker"]) < 0.75 * model_bytes
 
     restore = next(VERSIONS)  # leave the engine as the module found it
-    WeightPusher(WeightStore(redis_url, run), shm_root=tmp_path).push(load_causal_lm(folder).state_dict(), restore)
+    make_pusher(WeightStore(redis_url, run), shm_root=tmp_path).push(load_causal_lm(folder).state_dict(), restore)
     ray_session.get(policy.update_weights.remote(restore))
     assert _max_diff(_vllm_logprobs(ray_session, policy), before) < TOL

@@ -6,8 +6,10 @@ import statistics
 import pytest
 import torch
 
-from algos.episodes import Episode, assign_advantages, collate
-from algos.grpo import group_advantages, grpo_loss, kl_estimate, kl_k3, token_entropy, token_logprobs
+from algos.episodes import Episode, collate
+from algos.grpo import group_advantages, kl_shaped_rewards
+from algos.policy_loss import clipped_policy_loss as grpo_loss
+from algos.policy_loss import kl_estimate, kl_k3, token_entropy, token_logprobs
 
 
 def test_group_advantages_match_per_group_statistics():
@@ -98,8 +100,8 @@ def test_token_logprobs_match_manual_softmax():
 
 def test_collate_aligns_completion_tokens_and_logprobs():
     eps = [
-        Episode([5, 6, 7], [8, 1], [-0.1, -0.2], 1.0, 0.5, 3, ref_logprobs=[-0.3, -0.4]),
-        Episode([5, 6], [9, 9, 1], [-1.0, -2.0, -3.0], 0.0, -0.5, 3, ref_logprobs=[-1.5, -2.5, -3.5]),
+        Episode([5, 6, 7], [8, 1], [-0.1, -0.2], 1.0, 3, advantages=[0.5, 0.25], ref_logprobs=[-0.3, -0.4]),
+        Episode([5, 6], [9, 9, 1], [-1.0, -2.0, -3.0], 0.0, 3, [-0.5] * 3, ref_logprobs=[-1.5, -2.5, -3.5]),
     ]
     batch = collate(eps, pad_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 1], [5, 6, 9, 9, 1]]
@@ -107,12 +109,14 @@ def test_collate_aligns_completion_tokens_and_logprobs():
     assert batch["rollout_logprobs"][0, 3:].tolist() == pytest.approx([-0.1, -0.2])
     assert batch["rollout_logprobs"][1, 2:].tolist() == pytest.approx([-1.0, -2.0, -3.0])
     assert batch["ref_logprobs"][1, 2:].tolist() == pytest.approx([-1.5, -2.5, -3.5])
-    assert batch["advantages"].tolist() == [0.5, -0.5]
-    short = collate([Episode([5], [1], [-0.1], 1.0, 0.0, 0), eps[1]], pad_id=0)
+    assert batch["advantages"].tolist() == [[0, 0, 0, 0.5, 0.25], [0, 0, -0.5, -0.5, -0.5]]
+    short = collate([Episode([5], [1], [-0.1], 1.0, 0), eps[1]], pad_id=0)
     assert short["input_ids"][0].tolist() == [5, 1, 0, 0, 0] and short["attention_mask"][0].tolist() == [1, 1, 0, 0, 0]
-    assert "ref_logprobs" not in short
-    with pytest.raises(ValueError, match="logprobs"):
-        collate([Episode([5], [1, 2], [-0.1], 1.0, 0.0, 0)], pad_id=0)
+    assert "ref_logprobs" not in short and "advantages" not in short  # only fields every episode has
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        collate([Episode([5], [1, 2], [-0.1], 1.0, 0)], pad_id=0)
+    with pytest.raises(ValueError, match="advantages"):
+        collate([Episode([5], [1, 2], [-0.1, -0.2], 1.0, 0, advantages=[1.0])], pad_id=0)
 
 
 def test_dr_grpo_advantages_skip_std_normalisation():
@@ -230,15 +234,29 @@ def test_token_entropy_matches_manual_softmax():
             assert got[b, t].item() == pytest.approx(-sum(x * math.log(x) for x in p), rel=1e-5)
 
 
-def test_assign_advantages_with_kl_as_reward_penalty():
-    eps = [
-        Episode([1], [2, 3], [-0.5, -1.0], 1.0, 0.0, 0, ref_logprobs=[-0.7, -1.0]),
-        Episode([1], [2], [-0.2], 0.0, 0.0, 0, ref_logprobs=[-0.1]),
-    ]
-    shaped = assign_advantages(eps, 2, normalize_std=False, kl_reward_coef=0.5, kl_estimator="k1")
+def test_grpo_experience_with_kl_as_reward_penalty():
+    import dataclasses
+
+    from algos.grpo import Algorithm
+    from tests.configs import defaults
+
+    def episodes():
+        return [
+            Episode([1], [2, 3], [-0.5, -1.0], 1.0, 0, ref_logprobs=[-0.7, -1.0]),
+            Episode([1], [2], [-0.2], 0.0, 0, ref_logprobs=[-0.1]),
+        ]
+
+    eps = episodes()
+    shaped = kl_shaped_rewards(eps, 0.5, "k1")
     # k1 per token = logp - ref: episode 0 sums 0.2 + 0.0, episode 1 sums -0.1
     assert shaped == pytest.approx([1.0 - 0.5 * 0.2, 0.0 + 0.5 * 0.1])
+    config = dataclasses.replace(
+        defaults().algo, group_size=2, advantage_std_norm=False, kl_coef=0.5, kl_mode="reward", kl_estimator="k1"
+    )
+    Algorithm(config, max_tokens=6).make_experience(eps)
     mean = sum(shaped) / 2
-    assert [e.advantage for e in eps] == pytest.approx([shaped[0] - mean, shaped[1] - mean])
-    plain = assign_advantages(eps, 2)
-    assert plain == [1.0, 0.0] and eps[0].advantage > 0 > eps[1].advantage
+    assert eps[0].advantages == pytest.approx([shaped[0] - mean] * 2)  # the same on every token
+    assert eps[1].advantages == pytest.approx([shaped[1] - mean])
+    plain = episodes()
+    Algorithm(dataclasses.replace(config, kl_coef=0.0, advantage_std_norm=True), 6).make_experience(plain)
+    assert plain[0].advantages[0] > 0 > plain[1].advantages[0]

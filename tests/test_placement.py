@@ -98,7 +98,7 @@ import json, sys
 import ray
 from omegaconf import OmegaConf
 from ray.cluster_utils import Cluster
-from actors.trainer_group import TrainerGroup
+from tests.configs import trainer_group
 from apps.grpo.config import ConfigError
 from apps.grpo.placement import cluster_gpu_count, weight_sync_actor_options
 
@@ -121,7 +121,7 @@ out = {"head": head, "gpus": [gpus_head_only, cluster_gpu_count()]}
 out["free"] = weight_sync_actor_options(cfg("redis", "redis://10.0.0.9:6379"), 2, ray.nodes(), head)
 # CPU run, shm plane, private Redis: real trainer ranks (the tiny model), pinned like the launcher's
 where = weight_sync_actor_options(cfg("shm", None), 0, ray.nodes(), head)
-group = TrainerGroup(2, model, redis_url, "placement", actor_options=where, shm_root=shm_root, lr=1e-3, loss={})
+group = trainer_group(2, model, redis_url, "placement", actor_options=where, sync={"shm_root": shm_root}, lr=1e-3)
 tasks = [node_of_task.options(**where).remote() for _ in range(6)]
 out["ranks"] = ray.get([r.node_id.remote() for r in group.ranks])
 out["tasks"] = ray.get(tasks)

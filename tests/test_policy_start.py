@@ -11,6 +11,7 @@ import pytest
 from actors.cpu_binding import tp_thread_binding
 from actors.engine_errors import engine_start_error, is_engine_start_failure, root_cause
 from actors.engine_shm import remove_recorded
+from tests.configs import default_policy_loss, policy_config, sync_config, trainer_config
 
 
 @dataclass
@@ -112,7 +113,9 @@ def test_a_policy_whose_engine_dies_starting_names_the_cause(ray_session, redis_
     config["intermediate_size"] *= 2
     (broken / "config.json").write_text(json.dumps(config))
     record = tmp_path / "engine-files.json"  # the dead engine's queues, removed as the launcher does
-    actor = Policy.remote(str(broken), redis_url, "broken-start", replica="broken", engine_files_record=str(record))
+    actor = Policy.remote(
+        str(broken), redis_url, "broken-start", policy_config(), replica="broken", engine_files_record=str(record)
+    )
     try:
         with pytest.raises(ray_session.exceptions.RayActorError) as failed:
             ray_session.get(actor.__ray_ready__.remote())
@@ -135,8 +138,10 @@ def test_actors_started_where_the_model_is_missing_name_the_path_and_the_host(ra
 
     missing = str(tmp_path / "not-here")
     actors = {
-        "policy": Policy.remote(missing, redis_url, "missing-model"),
-        "trainer": TrainerRank.remote(0, 1, missing, redis_url, "missing-model"),
+        "policy": Policy.remote(missing, redis_url, "missing-model", policy_config()),
+        "trainer": TrainerRank.remote(
+            0, 1, missing, redis_url, "missing-model", trainer_config(), default_policy_loss(), sync_config()
+        ),
         "reference": Reference.remote(missing),
     }
     for name, actor in actors.items():

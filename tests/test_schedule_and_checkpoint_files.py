@@ -149,13 +149,14 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
 
     from rich.console import Console
 
-    from apps.grpo.loop import Checkpointer, LoopState
+    from apps.grpo.checkpoints import Checkpointer, LoopState
 
     good = folders.final_dir(tmp_path / "checkpoints", 2)
     good.mkdir(parents=True)
     (good / folders.LOOP_STATE).write_text("{}")
     cfg = SimpleNamespace(every=2, keep_last=1, async_save=False)
-    checkpointer = Checkpointer(cfg, tmp_path, _FailingTrainer(), Console(quiet=True))
+    actors = SimpleNamespace(trainer=_FailingTrainer(), critic=None)
+    checkpointer = Checkpointer(cfg, tmp_path, actors, Console(quiet=True))
     with pytest.raises(OSError, match="disk full"):
         checkpointer.save(LoopState(4, 4, 4, 0.0, 0.0))
     assert folders.newest_checkpoint(tmp_path / "checkpoints") == (2, good)  # keep_last=1 pruned nothing

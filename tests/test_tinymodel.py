@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tasks.arithmetic import ALPHABET, Problem
+from tasks.arithmetic import ALPHABET, problem
 from tinymodel.build import TinyModelRecipe, build_tokenizer, ensure_tiny_model
 
 
@@ -63,7 +63,7 @@ def test_vllm_serves_the_built_model_like_transformers(policy, tiny_model_path, 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     problems = [
-        Problem(a, op, b) for a, op, b in [(12, "+", 7), (3, "-", 40), (99, "+", 99), (50, "-", 5), (0, "+", 0)]
+        problem(a, op, b) for a, op, b in [(12, "+", 7), (3, "-", 40), (99, "+", 99), (50, "-", 5), (0, "+", 0)]
     ]
     vllm_out = ray_session.get(policy.greedy.remote([p.prompt for p in problems], 6))
     for p, (text, _finished) in zip(problems, vllm_out):

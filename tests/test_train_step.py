@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from algos.episodes import Episode
-from algos.train import grpo_backward
+from algos.policy_loss import PolicyLoss
+from algos.train import backward
 from tinymodel.build import TinyModelRecipe, build_model, build_tokenizer
 
 
@@ -24,23 +25,29 @@ def _episodes(n=7, seed=0):
     for i in range(n):
         prompt = [rng.randrange(2, 15) for _ in range(rng.randint(3, 6))]
         completion = [rng.randrange(1, 15) for _ in range(rng.randint(1, 4))]
-        out.append(
-            Episode(
-                prompt,
-                completion,
-                [-rng.random() * 3 for _ in completion],
-                float(i % 2),
-                rng.uniform(-1, 1),
-                0,
-                ref_logprobs=[-rng.random() * 3 for _ in completion],
-            )
-        )
+        logprobs = [-rng.random() * 3 for _ in completion]
+        advantages = [rng.uniform(-1, 1) for _ in completion]  # per token, as PPO's
+        ref = [-rng.random() * 3 for _ in completion]
+        out.append(Episode(prompt, completion, logprobs, float(i % 2), 0, advantages=advantages, ref_logprobs=ref))
     return out
+
+
+def _loss(**options) -> PolicyLoss:
+    defaults = dict(
+        clip_eps=0.2,
+        clip_eps_high=None,
+        kl_coef=0.0,
+        kl_estimator="k3",
+        aggregation="token_mean",
+        length_normalizer=6,
+        tis_cap=None,
+    )
+    return PolicyLoss(**{**defaults, **options})
 
 
 def _grads(model, episodes, options, micro):
     model.zero_grad(set_to_none=True)
-    metrics = grpo_backward(model, episodes, 0, options, micro)
+    metrics = backward(model, episodes, 0, _loss(**options), micro)
     return [p.grad.clone() for p in model.parameters()], metrics
 
 
@@ -66,4 +73,4 @@ def test_micro_batches_accumulate_to_the_whole_batch(model, options, micro):
 
 def test_bad_micro_batch_size_is_an_error(model):
     with pytest.raises(ValueError, match="micro_batch_size"):
-        grpo_backward(model, _episodes(2), 0, {}, -1)
+        backward(model, _episodes(2), 0, _loss(), -1)

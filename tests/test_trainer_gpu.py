@@ -15,11 +15,11 @@ pytestmark = [
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_two_nccl_ranks_train_like_one(ray_session, redis_url, tiny_model_path, shm_root, param_dtype):
-    from actors.trainer_group import TrainerGroup
+    from tests.configs import trainer_group
 
-    options = {**OPTIONS, "param_dtype": param_dtype, "reduce_dtype": "float32", "shm_root": str(shm_root)}
-    one = TrainerGroup(1, tiny_model_path, redis_url, "gpu-one", use_cuda=True, **options).start()
-    two = TrainerGroup(2, tiny_model_path, redis_url, "gpu-two", use_cuda=True, micro_batch_size=2, **options).start()
+    options = {**OPTIONS, "param_dtype": param_dtype, "reduce_dtype": "float32", "sync": {"shm_root": shm_root}}
+    one = trainer_group(1, tiny_model_path, redis_url, "gpu-one", use_cuda=True, **options).start()
+    two = trainer_group(2, tiny_model_path, redis_url, "gpu-two", use_cuda=True, micro_batch_size=2, **options).start()
     try:
         start = one.full_state_dict()
         for step in range(3):

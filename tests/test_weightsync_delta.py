@@ -11,8 +11,9 @@ import torch
 from safetensors import safe_open
 
 from tests.boxes import random_box
+from tests.configs import make_pusher
 from weightsync.checksum import Grid
-from weightsync.push import WeightPusher, run_dir, version_dir
+from weightsync.push import run_dir, version_dir
 from weightsync.reader import ChunkSource, read_box
 from weightsync.shm_writer import shard_file_name
 
@@ -56,7 +57,7 @@ def _read_all(store, version, sd, rng, boxes=6):
 @pytest.mark.parametrize("data_plane", ["shm", "redis"])
 def test_a_delta_push_writes_only_the_changed_row_blocks(store, shm_root, data_plane):
     sd = _state_dict()
-    pusher = WeightPusher(store, shm_root, keep_last=3, data_plane=data_plane, delta=True)
+    pusher = make_pusher(store, shm_root, keep_last=3, data_plane=data_plane, delta=True)
     first = pusher.push(sd, 1)
     assert first["bytes_reused"] == 0 and first["bytes_written"] > _nbytes(sd)  # the first is whole
 
@@ -94,7 +95,7 @@ def test_random_edits_over_many_versions_read_back_exactly(store, shm_root):
     rng = random.Random(5)
     g = torch.Generator().manual_seed(5)
     sd = _state_dict(5)
-    pusher = WeightPusher(store, shm_root, keep_last=2, delta=True, delta_max_live=100.0)
+    pusher = make_pusher(store, shm_root, keep_last=2, delta=True, delta_max_live=100.0)
     pusher.push(sd, 1)
     for version in range(2, 9):
         for fqn in rng.sample(sorted(sd), 2):
@@ -110,7 +111,7 @@ def test_random_edits_over_many_versions_read_back_exactly(store, shm_root):
 
 def test_retired_versions_keep_the_storage_that_newer_ones_reuse(store, shm_root):
     sd = _state_dict()
-    pusher = WeightPusher(store, shm_root, keep_last=1, delta=True)
+    pusher = make_pusher(store, shm_root, keep_last=1, delta=True)
     pusher.push(sd, 1)
     sd[BIG][0:3] *= 2
     pusher.push(sd, 2)
@@ -134,7 +135,7 @@ def test_delta_max_live_bounds_what_reuse_keeps_alive(store, shm_root):
     rank writes its whole shard again and the old units are freed."""
     sd = _state_dict()
     total = _nbytes(sd)
-    pusher = WeightPusher(store, shm_root, keep_last=1, delta=True, delta_max_live=1.5)
+    pusher = make_pusher(store, shm_root, keep_last=1, delta=True, delta_max_live=1.5)
     pusher.push(sd, 1)
     kinds = []
     for version in range(2, 12):
@@ -150,14 +151,17 @@ def test_delta_max_live_bounds_what_reuse_keeps_alive(store, shm_root):
 
 
 def test_delta_needs_checksums():
-    with pytest.raises(ValueError, match="checksums"):
-        WeightPusher(None, "/dev/shm", delta=True, checksums=False)
+    from tests.configs import sync_config
+    from validation.config import ConfigError, check_config
+
+    with pytest.raises(ConfigError, match="weightsync.delta=True is invalid.*checksums"):
+        check_config(sync_config(delta=True, checksums=False, verify=False), "weightsync")
 
 
 def test_a_failed_delta_push_keeps_the_base(store, shm_root, monkeypatch):
     """A push that fails leaves no trace, and the next push still deltas against the last commit."""
     sd = _state_dict()
-    pusher = WeightPusher(store, shm_root, delta=True)
+    pusher = make_pusher(store, shm_root, delta=True)
     pusher.push(sd, 1)
     sd[BIG][100:101] += 3
     monkeypatch.setattr(store, "commit", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))

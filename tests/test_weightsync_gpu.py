@@ -65,7 +65,7 @@ def llm_gpu(request, tiny_model_path):
 @pytest.mark.parametrize("delta", [False, True])
 def test_nccl_ranks_sync_into_vllm(delta, llm_gpu, ray_session, redis_url, tiny_model_path, tmp_path, shm_root):
     from actors.modeling import load_causal_lm
-    from actors.trainer_group import TrainerGroup
+    from tests.configs import trainer_group
     from weightsync.store import WeightStore
 
     start = tmp_path / "perturbed"
@@ -73,15 +73,14 @@ def test_nccl_ranks_sync_into_vllm(delta, llm_gpu, ray_session, redis_url, tiny_
     perturbed_model(tiny_model_path, seed=41, scale=0.1).save_pretrained(start)
     llm, ranks = llm_gpu
     run = f"gpu-sync-{ranks}-{int(delta)}"
-    group = TrainerGroup(
+    group = trainer_group(
         ranks,
         str(start),
         redis_url,
         run,
         use_cuda=True,
         sync_dtype="bfloat16",
-        shm_root=str(shm_root),
-        delta=delta,
+        sync={"shm_root": shm_root, "delta": delta},
         **OPTIONS,
     ).start()
     store = WeightStore(redis_url, run)
@@ -115,9 +114,9 @@ def test_nccl_ranks_sync_into_vllm(delta, llm_gpu, ray_session, redis_url, tiny_
         # Back to the engine's starting weights for the next case.
         for actor in group.ranks:
             ray_session.kill(actor)
-        from weightsync.push import WeightPusher
+        from tests.configs import make_pusher
 
-        pusher = WeightPusher(store, shm_root, dtype="bfloat16")
+        pusher = make_pusher(store, shm_root, dtype="bfloat16")
         pusher.push(load_causal_lm(tiny_model_path).state_dict(), 99)
         store.lease(99, "gpu-test")
         llm.collective_rpc("update_weights_from_store", args=(redis_url, run, 99))

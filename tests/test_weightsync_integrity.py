@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.boxes import random_box
+from tests.configs import make_pusher
 from weightsync.checksum import (
     _SEED_A,
     _SEED_B,
@@ -17,7 +18,6 @@ from weightsync.checksum import (
     region_hashes,
 )
 from weightsync.layout import Layout, plan_pieces
-from weightsync.push import WeightPusher
 from weightsync.reader import ChunkSource, read_box
 
 
@@ -117,7 +117,7 @@ def _byte_of(store, version, fqn, row, col) -> tuple[str, int]:
 
 def test_a_corrupt_byte_in_shared_memory_is_a_clear_error(store, shm_root):
     sd = _state_dict()
-    WeightPusher(store, shm_root=shm_root).push(sd, version=7)
+    make_pusher(store, shm_root=shm_root).push(sd, version=7)
     fqn = "model.layers.0.self_attn.o_proj.weight"
     file, offset = _byte_of(store, 7, fqn, row=5, col=200)
     _corrupt_file_byte(file, offset)
@@ -144,7 +144,7 @@ def test_a_corrupt_byte_in_shared_memory_is_a_clear_error(store, shm_root):
 
 def test_push_without_checksums_records_none_and_reads_unverified(store, shm_root):
     sd = _state_dict()
-    WeightPusher(store, shm_root=shm_root, checksums=False).push(sd, version=1)
+    make_pusher(store, shm_root=shm_root, checksums=False).push(sd, version=1)
     index = store.index(1)
     assert all(c.checksum is None for e in index.values() for c in e.chunks)
     source = ChunkSource()
@@ -173,7 +173,7 @@ def _tile_bytes(entry, box) -> int:
 
 def test_verified_reads_equal_slicing_and_count_partial_tiles(store, shm_root):
     sd = _state_dict(seed=3)
-    WeightPusher(store, shm_root=shm_root).push(sd, version=1)
+    make_pusher(store, shm_root=shm_root).push(sd, version=1)
     index, rng = store.index(1), random.Random(0)
     for _ in range(60):
         name = rng.choice(sorted(index))
@@ -249,7 +249,7 @@ def _tp2_pieces(rank: int) -> list:
 
 def test_a_tp2_worker_reads_at_most_055_of_the_model_with_verification(store, shm_root):
     sd = _qwen3_state_dict()
-    WeightPusher(store, shm_root=shm_root).push(sd, version=1)
+    make_pusher(store, shm_root=shm_root).push(sd, version=1)
     index = store.index(1)
     model_bytes = sum(t.numel() * 4 for t in sd.values())
     for rank in (0, 1):

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from tests.boxes import random_box
+from tests.configs import make_pusher
 from tests.test_weightsync_delta import BIG, _read_all, _state_dict
 from weightsync.checksum import ChecksumMismatch
 from weightsync.patch import scatter_into_box
-from weightsync.push import WeightPusher, version_dir
+from weightsync.push import version_dir
 from weightsync.reader import ChunkSource, read_box, update_box
 from weightsync.shm_writer import shard_file_name
 
@@ -39,7 +40,7 @@ def _patch_of(store, version, fqn):
 @pytest.mark.parametrize("data_plane", ["shm", "redis"])
 def test_patches_hold_the_changed_elements_since_the_base_and_read_back_exactly(store, shm_root, data_plane):
     sd = _state_dict()
-    pusher = WeightPusher(
+    pusher = make_pusher(
         store, shm_root, dtype="bfloat16", keep_last=3, data_plane=data_plane, delta=True, delta_elements=True
     )
     pusher.push(sd, 1)
@@ -77,7 +78,7 @@ def test_patches_hold_the_changed_elements_since_the_base_and_read_back_exactly(
 
 def test_update_box_reads_only_the_patch_over_an_earlier_version_of_the_same_base(store, shm_root):
     sd = _state_dict()
-    pusher = WeightPusher(store, shm_root, dtype="bfloat16", keep_last=5, delta=True, delta_elements=True)
+    pusher = make_pusher(store, shm_root, dtype="bfloat16", keep_last=5, delta=True, delta_elements=True)
     truths = {}
     rng = random.Random(3)
     for version in range(1, 5):
@@ -113,7 +114,7 @@ def test_a_row_cut_reads_only_its_rows_part_of_the_patch(store, shm_root):
     """A TP worker's row cut (half the rows) reads about half the patch; a column cut spans
     every row and reads all of it. Both write exactly the new values."""
     sd = _state_dict()
-    pusher = WeightPusher(store, shm_root, dtype="bfloat16", keep_last=3, delta=True, delta_elements=True)
+    pusher = make_pusher(store, shm_root, dtype="bfloat16", keep_last=3, delta=True, delta_elements=True)
     pusher.push(sd, 1)
     before = _bf16(sd)[BIG]
     _bump(sd[BIG], random.Random(5).sample(range(256 * 64), 1200))
@@ -142,7 +143,7 @@ def test_row_marks_that_do_not_match_the_patch_are_refused(store, shm_root, shif
     """A mark moved either way would drop elements of the rows it starts: the neighbours read
     with the part show it."""
     sd = _state_dict()
-    pusher = WeightPusher(store, shm_root, dtype="bfloat16", delta=True, delta_elements=True)
+    pusher = make_pusher(store, shm_root, dtype="bfloat16", delta=True, delta_elements=True)
     pusher.push(sd, 1)
     _bump(sd[BIG], random.Random(6).sample(range(256 * 64), 400))
     pusher.push(sd, 2)
@@ -167,7 +168,7 @@ def test_patches_give_way_to_a_new_base_as_they_grow(store, shm_root):
     g = torch.Generator().manual_seed(7)
     sd = {EMBED: torch.randn(128, 64, generator=g), BIG: torch.randn(256, 64, generator=g)}
     total = sum(t.numel() * 2 for t in sd.values())
-    pusher = WeightPusher(store, shm_root, dtype="bfloat16", keep_last=2, delta=True, delta_elements=True)
+    pusher = make_pusher(store, shm_root, dtype="bfloat16", keep_last=2, delta=True, delta_elements=True)
     pusher.push(sd, 1)
     steps, written = [], []
     for version in range(2, 14):
@@ -188,7 +189,7 @@ def test_patches_give_way_to_a_new_base_as_they_grow(store, shm_root):
 
 def test_a_corrupt_patch_value_is_a_checksum_error(store, shm_root):
     sd = _state_dict()
-    pusher = WeightPusher(store, shm_root, dtype="bfloat16", delta=True, delta_elements=True)
+    pusher = make_pusher(store, shm_root, dtype="bfloat16", delta=True, delta_elements=True)
     pusher.push(sd, 1)
     _bump(sd[BIG], [5, 900, 4000])
     pusher.push(sd, 2)
@@ -223,8 +224,11 @@ def test_a_corrupt_patch_value_is_a_checksum_error(store, shm_root):
 
 
 def test_delta_elements_needs_delta():
-    with pytest.raises(ValueError, match="delta=True"):
-        WeightPusher(None, "/dev/shm", delta_elements=True)
+    from tests.configs import sync_config
+    from validation.config import ConfigError, check_config
+
+    with pytest.raises(ConfigError, match="weightsync.delta_elements=True is invalid.*delta=true"):
+        check_config(sync_config(delta_elements=True), "weightsync")
 
 
 def test_scatter_into_box_matches_indexing_the_full_tensor():

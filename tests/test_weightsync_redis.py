@@ -9,9 +9,10 @@ import redis
 import torch
 
 from tests.boxes import random_box
+from tests.configs import make_pusher
 from weightsync import reader, redis_data
 from weightsync.checksum import ChecksumMismatch
-from weightsync.push import WeightPusher, run_dir
+from weightsync.push import run_dir
 from weightsync.reader import ChunkSource, read_box
 from weightsync.redis_data import RawRedis
 
@@ -51,7 +52,7 @@ def test_redis_push_stores_the_shard_bytes_and_reads_equal_slicing(store, client
     monkeypatch.setattr(redis_data, "RANGE_BYTES", 300)
     monkeypatch.setattr(reader, "SLAB_BYTES", 2048)
     sd = _state_dict()
-    stats = WeightPusher(store, shm_root=shm_root, data_plane="redis").push(sd, version=1)
+    stats = make_pusher(store, shm_root=shm_root, data_plane="redis").push(sd, version=1)
     assert not run_dir(shm_root, store.run).exists()  # nothing in shared memory
     index = store.index(1)
     locations = [c.location for e in index.values() for c in e.chunks]
@@ -60,7 +61,7 @@ def test_redis_push_stores_the_shard_bytes_and_reads_equal_slicing(store, client
     assert len(pieces) == -(-stats["bytes_written"] // 1000)
     assert all(client.strlen(k) <= 1000 for k in pieces)
     # The values are the shard file's bytes: the same push through shared memory gives them.
-    WeightPusher(store, shm_root=shm_root).push(sd, version=2)
+    make_pusher(store, shm_root=shm_root).push(sd, version=2)
     file = store.index(2)["odd.weight"].chunks[0].location["file"]
     assert b"".join(client.get(k) for k in pieces) == Path(file).read_bytes()
 
@@ -78,7 +79,7 @@ def test_redis_push_stores_the_shard_bytes_and_reads_equal_slicing(store, client
 def test_a_corrupt_redis_value_is_a_clear_error(store, client, shm_root, redis_url, monkeypatch):
     monkeypatch.setattr(reader, "SLAB_BYTES", 4096)  # several slabs, the next one requested ahead
     sd = _state_dict()
-    WeightPusher(store, shm_root=shm_root, data_plane="redis").push(sd, version=3)
+    make_pusher(store, shm_root=shm_root, data_plane="redis").push(sd, version=3)
     fqn = "model.layers.0.mlp.up_proj.weight"
     chunk = store.index(3)[fqn].chunks[0]
     offset = chunk.location["offset"] + (50 * 64 + 10) * 4  # element [50, 10]
@@ -99,7 +100,7 @@ def test_a_corrupt_redis_value_is_a_clear_error(store, client, shm_root, redis_u
 
 
 def test_retire_deletes_the_data_keys_with_the_version(store, client, shm_root):
-    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1, data_plane="redis")
+    pusher = make_pusher(store, shm_root=shm_root, keep_last=1, data_plane="redis")
     pusher.push(_state_dict(1), 1)
     store.lease(1, "policy-0")
     pusher.push(_state_dict(2), 2)
@@ -120,7 +121,7 @@ def test_removing_a_runs_data_leaves_runs_its_name_matches_as_a_pattern(redis_ur
     tag = uuid.uuid4().hex[:6]
     stores = [WeightStore(redis_url, name) for name in (f"a*{tag}", f"ab{tag}")]
     try:
-        pushers = [WeightPusher(s, shm_root=shm_root, keep_last=1, data_plane="redis") for s in stores]
+        pushers = [make_pusher(s, shm_root=shm_root, keep_last=1, data_plane="redis") for s in stores]
         for pusher in pushers:
             pusher.push(_state_dict(1), 1)
         pushers[0].remove_all()
@@ -141,7 +142,7 @@ def test_clearing_a_run_deletes_all_its_keys_and_no_other_runs(redis_url, client
     stores = {name: WeightStore(redis_url, name) for name in (f"a*{tag}", f"ab{tag}", f"a*{tag}-2")}
     try:
         for store in stores.values():
-            pusher = WeightPusher(store, shm_root=shm_root, keep_last=2, data_plane="redis")
+            pusher = make_pusher(store, shm_root=shm_root, keep_last=2, data_plane="redis")
             pusher.push(_state_dict(1), 1)
             pusher.push(_state_dict(2), 2)
             store.lease(2, "policy-0")
@@ -175,7 +176,7 @@ def test_a_failed_redis_push_leaves_no_keys(store, client, shm_root, monkeypatch
 
     monkeypatch.setattr(store, "put_part", fail)
     with pytest.raises(ConnectionError):
-        WeightPusher(store, shm_root=shm_root, data_plane="redis").push(_state_dict(), version=1)
+        make_pusher(store, shm_root=shm_root, data_plane="redis").push(_state_dict(), version=1)
     assert _keys(client, store.run) == set()
     assert store.versions() == [] and store.latest() is None
 
@@ -191,7 +192,7 @@ def test_a_push_that_redis_refuses_for_memory_is_a_clear_error_and_leaves_no_key
         client.config_set("maxmemory", client.info("memory")["used_memory"] + 2**20)
         store = WeightStore(server.url, "capped")
         with pytest.raises(NotEnoughRedisMemory, match=r"lack of memory \(maxmemory .* MiB in use.*keep_last"):
-            WeightPusher(store, shm_root=shm_root, data_plane="redis").push(big, version=1)
+            make_pusher(store, shm_root=shm_root, data_plane="redis").push(big, version=1)
         assert store.run_keys() == [] and store.versions() == []
         store.close()
         client.close()
@@ -207,7 +208,7 @@ def test_redis_holds_a_pushed_shard_in_about_its_own_bytes(shm_root):
         client = redis.Redis.from_url(server.url)
         before = client.info("memory")["used_memory"]
         store = WeightStore(server.url, "footprint")
-        WeightPusher(store, shm_root=shm_root, data_plane="redis").push(state, version=1)
+        make_pusher(store, shm_root=shm_root, data_plane="redis").push(state, version=1)
         grown = client.info("memory")["used_memory"] - before
         assert grown < 1.05 * 48 * 2**20, grown / 2**20
         store.close()
@@ -232,7 +233,7 @@ def test_the_first_redis_pushes_write_into_memory_reserved_at_start(shm_root, re
     shard = sum(t.numel() * t.element_size() for t in sd.values())
     with LocalRedis() as server:  # its own: the session's Redis has pages freed by other tests
         store = WeightStore(server.url, "first")
-        pusher = WeightPusher(store, shm_root=shm_root, keep_last=1, data_plane="redis")
+        pusher = make_pusher(store, shm_root=shm_root, keep_last=1, data_plane="redis")
         start = _redis_rss(server)
         if reserve:
             pusher.reserve(sd)
@@ -258,7 +259,7 @@ def test_a_redis_reservation_beyond_maxmemory_is_logged_and_leaves_no_keys(shm_r
     sd = {"w": torch.zeros(4096, 4096)}  # 64 MiB
     with LocalRedis() as server, redis.Redis.from_url(server.url) as client:
         client.config_set("maxmemory", 40 * 2**20)
-        pusher = WeightPusher(WeightStore(server.url, "full"), shm_root=shm_root, keep_last=1, data_plane="redis")
+        pusher = make_pusher(WeightStore(server.url, "full"), shm_root=shm_root, keep_last=1, data_plane="redis")
         pusher.reserve(sd, background=False)
         assert isinstance(pusher.reserve_error, redis.RedisError) and "OOM" in str(pusher.reserve_error)
         assert "could not reserve 144 MiB of Redis memory" in caplog.text  # 2 x 9 values of 8 MiB
@@ -266,7 +267,7 @@ def test_a_redis_reservation_beyond_maxmemory_is_logged_and_leaves_no_keys(shm_r
 
 
 def test_reading_a_retired_version_from_redis_is_a_clear_error(store, shm_root, redis_url):
-    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1, data_plane="redis")
+    pusher = make_pusher(store, shm_root=shm_root, keep_last=1, data_plane="redis")
     pusher.push(_state_dict(1), 1)
     entry = store.index(1)["model.norm.weight"]
     pusher.push(_state_dict(2), 2)  # retires 1

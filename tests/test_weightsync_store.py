@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from tests.boxes import random_box
-from weightsync.push import WeightPusher, run_dir, spare_dir, version_dir
+from tests.configs import make_pusher
+from weightsync.push import run_dir, spare_dir, version_dir
 from weightsync.reader import ChunkSource, read_box
 from weightsync.redis_server import LocalRedis, RedisUnavailable, check_redis
 from weightsync.shm_space import HEADER_SLACK, NotEnoughSharedMemory
@@ -42,7 +43,7 @@ def _state_dict(seed=0):
 
 def test_push_writes_real_dcp_output_and_commits(store, tmp_path):
     sd = _state_dict()
-    stats = WeightPusher(store, shm_root=tmp_path).push(sd, version=1)
+    stats = make_pusher(store, shm_root=tmp_path).push(sd, version=1)
     assert store.latest() == 1 and store.versions() == [1]
     index = store.index(1)
     assert set(index) == {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
@@ -61,7 +62,7 @@ def test_push_writes_real_dcp_output_and_commits(store, tmp_path):
 
 def test_push_casts_to_the_sync_dtype(store, tmp_path):
     sd = _state_dict()
-    WeightPusher(store, shm_root=tmp_path, dtype="bfloat16").push(sd, version=1)
+    make_pusher(store, shm_root=tmp_path, dtype="bfloat16").push(sd, version=1)
     entry = store.index(1)["model.norm.weight"]
     assert entry.dtype == "bfloat16"
     out = torch.empty(8, dtype=torch.bfloat16)
@@ -71,7 +72,7 @@ def test_push_casts_to_the_sync_dtype(store, tmp_path):
 
 def test_read_box_equals_slicing_the_full_tensor(store, tmp_path):
     sd = _state_dict(seed=1)
-    WeightPusher(store, shm_root=tmp_path).push(sd, version=1)
+    make_pusher(store, shm_root=tmp_path).push(sd, version=1)
     # Unverified reads touch exactly the box (verified ones: tests/test_weightsync_integrity.py).
     index, files, rng = store.index(1), ChunkSource(verify=False), random.Random(0)
     for _ in range(50):
@@ -124,13 +125,13 @@ def test_a_failed_push_leaves_no_version_and_no_files(store, tmp_path, monkeypat
 
     monkeypatch.setattr(store, "put_part", fail)
     with pytest.raises(ConnectionError):
-        WeightPusher(store, shm_root=tmp_path).push(_state_dict(), version=1)
+        make_pusher(store, shm_root=tmp_path).push(_state_dict(), version=1)
     assert store.versions() == [] and store.latest() is None
     assert not version_dir(tmp_path, store.run, 1).exists()
 
 
 def test_retention_keeps_last_k_and_leased_versions(store, tmp_path):
-    pusher = WeightPusher(store, shm_root=tmp_path, keep_last=2)
+    pusher = make_pusher(store, shm_root=tmp_path, keep_last=2)
     pusher.push(_state_dict(), 1)
     store.lease(1, "policy-0")
     for v in (2, 3, 4):
@@ -149,7 +150,7 @@ def test_retention_keeps_last_k_and_leased_versions(store, tmp_path):
 def test_freed_shard_files_are_written_over_by_later_pushes(store, shm_root):
     """A retired version's file becomes the next version's (same inode, no fresh tmpfs pages),
     cut to its new length; DCP's own reader and ours read it as the new version."""
-    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1)
+    pusher = make_pusher(store, shm_root=shm_root, keep_last=1)
     big = {"a": torch.randn(64, 64), "b": torch.randn(256)}
     small = {"a": torch.randn(8, 64)}
     pusher.push(big, 1)
@@ -171,7 +172,7 @@ def test_freed_shard_files_are_written_over_by_later_pushes(store, shm_root):
 def test_the_first_pushes_write_over_files_reserved_at_start(store, shm_root, background):
     """keep_last=1 with a policy that leases each version after it is pushed: three files live
     at once before retired ones come back, so three are reserved; every push writes over one."""
-    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1)
+    pusher = make_pusher(store, shm_root=shm_root, keep_last=1)
     sd = _state_dict()
     pusher.reserve(sd, background=background)
     pusher._wait_reserved()
@@ -193,7 +194,7 @@ def test_the_first_pushes_write_over_files_reserved_at_start(store, shm_root, ba
 
 
 def test_a_push_waits_for_a_background_reservation_and_delta_reserves_one(store, shm_root):
-    pusher = WeightPusher(store, shm_root=shm_root, keep_last=3, delta=True)
+    pusher = make_pusher(store, shm_root=shm_root, keep_last=3, delta=True)
     assert pusher.reserve_count() == 1  # later delta shards are small
     pusher.reserve(_state_dict(), background=True)
     assert pusher.push(_state_dict(), 1)["wrote_over_spare"]  # waited for the file
@@ -205,7 +206,7 @@ def test_a_failed_reservation_is_reported_and_pushes_still_work(store, shm_root,
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("weightsync.push.os.posix_fallocate", full)
-    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1)
+    pusher = make_pusher(store, shm_root=shm_root, keep_last=1)
     pusher.reserve(_state_dict(), background=False)
     assert isinstance(pusher.reserve_error, OSError) and "No space left" in caplog.text
     assert not list(run_dir(shm_root, store.run).glob("reserving-*"))  # no partial file left
@@ -219,7 +220,7 @@ def _free_space(monkeypatch, nbytes: int) -> None:
 
 
 def test_too_little_shared_memory_for_the_kept_versions_stops_the_start(store, shm_root, monkeypatch):
-    pusher = WeightPusher(store, shm_root=shm_root, keep_last=2)
+    pusher = make_pusher(store, shm_root=shm_root, keep_last=2)
     sd = _state_dict()
     shard = (15 * 8 + 12 * 8 + 8) * 4  # float32, the tied head stored once
     _free_space(monkeypatch, 2 * shard)  # keep_last=2 needs 3 files (2 kept + 1 being written)
@@ -229,7 +230,7 @@ def test_too_little_shared_memory_for_the_kept_versions_stops_the_start(store, s
 
 
 def test_room_for_the_kept_versions_only_reserves_fewer_files_and_warns(store, shm_root, monkeypatch, caplog):
-    pusher = WeightPusher(store, shm_root=shm_root, keep_last=2)
+    pusher = make_pusher(store, shm_root=shm_root, keep_last=2)
     sd = _state_dict()
     per_file = (15 * 8 + 12 * 8 + 8) * 4 + HEADER_SLACK + 3 * 512  # data + the header's room
     _free_space(monkeypatch, 3 * per_file + 1)  # 3 of the 4 files a lagging policy needs
@@ -245,7 +246,7 @@ def test_a_full_shared_memory_during_a_push_is_a_clear_error_and_leaves_nothing(
             f.write(b"x" * 100)  # part of the shard made it to disk
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    pusher = WeightPusher(store, shm_root=shm_root, keep_last=1)
+    pusher = make_pusher(store, shm_root=shm_root, keep_last=1)
     pusher.push(_state_dict(), 1)
     monkeypatch.setattr("weightsync.shm_writer.ShmSafetensorsWriter._emit", full)
     with pytest.raises(NotEnoughSharedMemory, match=r"weight version 2: .* ran out of space.*keep_last=1.*--shm-size"):
@@ -294,7 +295,7 @@ def _read_all(store, version) -> dict[str, torch.Tensor]:
 
 
 def test_a_pinned_reader_keeps_reading_its_version_while_newer_ones_are_pushed(store, tmp_path):
-    pusher = WeightPusher(store, shm_root=tmp_path, keep_last=1)
+    pusher = make_pusher(store, shm_root=tmp_path, keep_last=1)
     pusher.push(_state_dict(1), 1)
     store.lease(1, "reader")
     done = threading.Event()
@@ -319,7 +320,7 @@ def test_a_pinned_reader_keeps_reading_its_version_while_newer_ones_are_pushed(s
 
 def test_lease_and_retire_never_race(store, tmp_path):
     """A lease that succeeds always finds its version whole, however retirement interleaves."""
-    pusher = WeightPusher(store, shm_root=tmp_path, keep_last=1)
+    pusher = make_pusher(store, shm_root=tmp_path, keep_last=1)
     pusher.push(_state_dict(0), 0)
     stop = threading.Event()
     errors = []
@@ -354,7 +355,7 @@ def test_lease_and_retire_never_race(store, tmp_path):
 def test_index_is_plain_json(store, tmp_path, redis_url):
     import redis
 
-    WeightPusher(store, shm_root=tmp_path).push(_state_dict(), 1)
+    make_pusher(store, shm_root=tmp_path).push(_state_dict(), 1)
     raw = redis.Redis.from_url(redis_url).get(f"ws:{store.run}:v1:index")
     parsed = json.loads(raw)
     assert parsed["model.norm.weight"]["chunks"][0]["offsets"] == [0]
@@ -441,7 +442,7 @@ def _alive(pid: int) -> bool:
 def test_only_true_aliases_are_stored_once(store, tmp_path):
     flat = torch.arange(12, dtype=torch.float32)
     sd = {"a.weight": flat[:6].view(2, 3), "b.weight": flat[6:].view(2, 3), "c.weight": flat[:6].view(2, 3)}
-    WeightPusher(store, shm_root=tmp_path).push(sd, 1)
+    make_pusher(store, shm_root=tmp_path).push(sd, 1)
     index = store.index(1)
     assert set(index) == {"a.weight", "b.weight"}  # c is a; b shares a's buffer but not its data
     out = torch.empty(2, 3)

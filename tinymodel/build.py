@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from tasks.arithmetic import ALPHABET, ArithmeticTask, Problem
+from tasks.arithmetic import ALPHABET, ArithmeticConfig, split
+from tasks.base import Problem, TaskConfig, shuffled_batches
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,21 @@ class TinyModelRecipe:
         payload = json.dumps({"version": RECIPE_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
-    def task(self) -> ArithmeticTask:
-        return ArithmeticTask(self.task_low, self.task_high, self.task_ops, self.task_eval_size, self.seed)
+    @staticmethod
+    def for_task(task: TaskConfig, seed: int) -> TinyModelRecipe:
+        """The recipe for a run of ``task``: the warm start must see only the run's train split,
+        so an arithmetic task's settings and the run's seed build (and cache) a model of their
+        own. Any other task gets the model warm-started on the default arithmetic task."""
+        if isinstance(task, ArithmeticConfig):
+            ops = tuple(task.ops)
+            return TinyModelRecipe(
+                task_low=task.low, task_high=task.high, task_ops=ops, task_eval_size=task.eval_size, seed=seed
+            )
+        return TinyModelRecipe(seed=seed)
+
+    def split(self) -> tuple[list[Problem], list[Problem]]:
+        """The arithmetic task's (train, held-out) problems this model is warm-started on."""
+        return split(self.task_low, self.task_high, self.task_ops, self.task_eval_size, self.seed)
 
 
 def build_tokenizer():
@@ -135,9 +149,8 @@ def sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.T
 
 
 def warm_start(model, tokenizer, recipe: TinyModelRecipe) -> None:
-    task = recipe.task()
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.warm_start_lr, weight_decay=0.0)
-    batches = task.train_batches(recipe.warm_start_batch)
+    batches = shuffled_batches(recipe.split()[0], recipe.warm_start_batch, recipe.seed)
     model.train()
     for step in range(recipe.warm_start_steps):
         ids, mask, labels = sft_batch(tokenizer, next(batches))
@@ -177,7 +190,7 @@ def build(recipe: TinyModelRecipe, out_dir: Path) -> dict:
     tokenizer = build_tokenizer()
     model = build_model(recipe, tokenizer)
     warm_start(model, tokenizer, recipe)
-    accuracy = greedy_accuracy(model, tokenizer, recipe.task().eval_problems)
+    accuracy = greedy_accuracy(model, tokenizer, recipe.split()[1])
     model.generation_config.do_sample = False
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -25,6 +25,10 @@ STACKED_PARAMS: list[tuple[str, str, str | int]] = [
     ("gate_up_proj", "up_proj", 1),
 ]
 
+# The Hugging Face architectures whose vLLM layers this table covers, each checked by a test that
+# syncs weights into a TP=2 engine and compares logprobs with transformers'.
+ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+
 # vLLM parameter name -> Hugging Face name it is stored under when the model ties embeddings.
 TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}
 

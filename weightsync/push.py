@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from redis import RedisError
 
+from weightsync.config import WeightSyncConfig
 from weightsync.redis_data import PIECE_BYTES, RawRedis, RedisSafetensorsWriter
 from weightsync.redis_space import REDIS_REMEDIES, NotEnoughRedisMemory, out_of_memory, redis_memory
 from weightsync.shm_space import (
@@ -43,7 +44,6 @@ from weightsync.store import TensorEntry, WeightStore, parse_unit, unit_name
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # dtype -> name as stored in the index.
 DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in SAFETENSORS_DTYPES}
-DATA_PLANES = ("shm", "redis")
 RESERVE_EXPIRE_MS = 10 * 60 * 1000  # reservation values left by a process that died reserving
 
 log = logging.getLogger(__name__)
@@ -149,43 +149,18 @@ class WeightPusher:
     every element per push.
     """
 
-    def __init__(
-        self,
-        store: WeightStore,
-        shm_root: str | Path = "/dev/shm",
-        dtype: str = "float32",
-        keep_last: int = 2,
-        *,
-        data_plane: str = "shm",
-        checksums: bool = True,
-        delta: bool = False,
-        delta_max_live: float = 2.0,
-        delta_elements: bool = False,
-    ) -> None:
-        """``data_plane``: "shm" (shard files in ``shm_root``, same host) or "redis" (shard bytes
-        as Redis values, any host). ``checksums=False`` skips the tile checksums (then readers
-        cannot verify what they read, and delta sync cannot tell what changed)."""
-        if dtype not in DTYPES:
-            raise ValueError(f"weight sync dtype {dtype!r} is not supported; allowed: {sorted(DTYPES)}")
-        if keep_last < 1:
-            raise ValueError(f"keep_last={keep_last} must be >= 1")
-        if data_plane not in DATA_PLANES:
-            raise ValueError(f"weight sync data_plane {data_plane!r} is not supported; allowed: {list(DATA_PLANES)}")
-        if delta and not checksums:
-            raise ValueError("delta sync finds the changed chunks by their checksums: it needs checksums=True")
-        if delta_elements and not delta:
-            raise ValueError("delta_elements=True patches delta sync's versions: it needs delta=True")
-        if delta_max_live < 1:
-            raise ValueError(f"delta_max_live={delta_max_live} must be >= 1 (1: one shard's bytes)")
+    def __init__(self, store: WeightStore, config: WeightSyncConfig, dtype: str = "float32") -> None:
+        """``config``: the run's ``weightsync`` group (checked when the config was loaded);
+        ``dtype``: the policy's, which pushed weights are cast to."""
         self.store = store
-        self.shm_root = Path(shm_root)
+        self.shm_root = Path(config.shm_root)
         self.dtype = DTYPES[dtype]
-        self.keep_last = keep_last
-        self.data_plane = data_plane
-        self.checksums = checksums
-        self.delta = delta
-        self.delta_max_live = delta_max_live
-        self.delta_elements = delta_elements
+        self.keep_last = config.keep_last
+        self.data_plane = config.data_plane
+        self.checksums = config.checksums
+        self.delta = config.delta
+        self.delta_max_live = config.delta_max_live
+        self.delta_elements = config.delta_elements
         self._base: dict[str, BaseChunk] | None = None  # this rank's last committed chunks
         self._unit_bytes: dict[str, int] = {}  # bytes of this rank's units the base points into
         self._world = 1  # trainer ranks (set by push)

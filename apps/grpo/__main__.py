@@ -1,9 +1,12 @@
-"""``python -m apps.grpo [key=value ...]``: a GRPO run with Hydra configs from ``configs/``.
+"""``python -m apps.grpo [key=value ...]``: a GRPO or PPO run (``algo=...``) on a task
+(``task=...``) with Hydra configs from ``configs/``.
 
-Set-up order matters: every check on user input (config values, model.path, redis.url, the
-output folder) runs before anything is written or started, so bad input leaves nothing behind.
-Ray starts (or is joined) before the room for the weights is checked and the output folder is
-written: whether the run uses GPUs, and so the policy's dtype, is the Ray cluster's answer.
+Set-up order matters: every check on user input (config values, model.path and its config.json,
+the task's data, the reward function, redis.url, the output folder) runs before anything is
+written or started, so bad input leaves nothing behind. Ray starts (or is joined) before the room
+for the weights is checked and the output folder is written: whether the run uses GPUs, and so
+the policy's dtype, is the Ray cluster's answer. A run that fails before its first step removes
+the output folder it made, so that the same command can simply be run again.
 """
 
 from __future__ import annotations
@@ -20,34 +23,49 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from apps.grpo import interrupts
-from apps.grpo.config import ConfigError, check_override_keys, register, validate
+from apps.grpo.config import ConfigError, RunConfig, check_override_keys, load_config, register
 
 register()
 log = logging.getLogger("apps.grpo")
 
 
-def resolve_model_path(cfg) -> str:
-    from actors.modeling import check_model_dir
+def resolve_model_path(cfg: RunConfig) -> str:
+    """``model.path``, checked, or the embedded tiny model's (built on first use), and checked
+    against the policy's settings: ``ConfigError`` names what does not fit."""
+    from actors.modeling import check_model_dir, check_policy_fits
     from tinymodel.build import TinyModelRecipe, ensure_tiny_model
 
     if cfg.model.path is None:
-        # The warm start must only see this run's train split: the recipe takes the task's
-        # settings and seed, so a different task config builds (and caches) its own model.
-        recipe = TinyModelRecipe(
-            task_low=cfg.task.low,
-            task_high=cfg.task.high,
-            task_ops=tuple(cfg.task.ops),
-            task_eval_size=cfg.task.eval_size,
-            seed=cfg.seed,
-        )
-        return str(ensure_tiny_model(recipe, cfg.model.tiny_cache_dir))
+        path = str(ensure_tiny_model(TinyModelRecipe.for_task(cfg.task, cfg.seed), cfg.model.tiny_cache_dir))
+    else:
+        try:
+            path = str(check_model_dir(cfg.model.path))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     try:
-        return str(check_model_dir(cfg.model.path))
+        check_policy_fits(path, cfg.policy.tp, cfg.policy.max_model_len)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    return path
 
 
-def check_data_plane_room(cfg, model_path: str, sync_dtype: str, redis_url: str, shm_here: bool = True) -> None:
+def load_task(cfg: RunConfig, tokenizer):
+    """The task's data and scorer, and the user's reward function checked (``ConfigError`` for
+    bad data, a bad file or a reward function that cannot be used)."""
+    from tasks.base import load_reward_fn, task_class
+
+    try:
+        task = task_class(cfg.task.name)(cfg.task, cfg.seed, tokenizer)
+        if cfg.task.reward_fn:
+            load_reward_fn(cfg.task.reward_fn)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return task
+
+
+def check_data_plane_room(
+    cfg: RunConfig, model_path: str, sync_dtype: str, redis_url: str, shm_here: bool = True
+) -> None:
     """Stop before any actor starts if the data plane cannot hold the weight versions the run
     keeps (the model's tensors at the sync dtype, ``keep_last + 1`` times): free space in
     ``weightsync.shm_root`` on this host when the policy runs here (``shm_here``; the trainer
@@ -158,24 +176,26 @@ def _changed_keys(a: dict, b: dict, prefix: str = "") -> set[str]:
     return out
 
 
-def run(cfg, console: Console) -> dict:
+def run(hydra_cfg, console: Console) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from apps.grpo.loop import engine_files_record, resume_from_checkpoint, run_grpo, start_actors
+    from algos.base import algorithm_class
+    from apps.grpo.checkpoints import resume_from_checkpoint
+    from apps.grpo.loop import train
     from apps.grpo.node_cleanup import remove_run_files
     from apps.grpo.placement import cluster_gpu_count, plan_placement
     from apps.grpo.run_lock import RunLock, RunLocked, lock_path
-    from tasks.arithmetic import ArithmeticTask
+    from apps.grpo.start import engine_files_record, start_actors
     from weightsync.push import run_dir
     from weightsync.redis_server import LocalRedis, check_redis
 
-    validate(cfg)
-    try:
-        task = ArithmeticTask(cfg.task.low, cfg.task.high, cfg.task.ops, cfg.task.eval_size, cfg.seed)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    cfg = load_config(hydra_cfg)
     model_path = resolve_model_path(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    task = load_task(cfg, tokenizer)
+    algorithm = algorithm_class(cfg.algo.name)(cfg.algo, cfg.policy.max_tokens)
+    console.print(f"task: {task.summary()}")
 
     with ExitStack() as stack:
         if cfg.redis.url:
@@ -220,7 +240,8 @@ def run(cfg, console: Console) -> dict:
         # launcher usually runs, often has no GPU while its workers do.
         use_cuda = cluster_gpu_count() > 0
         policy_dtype = cfg.policy.dtype if cfg.policy.dtype != "auto" else ("bfloat16" if use_cuda else "float32")
-        placement = plan_placement(cfg, use_cuda)
+        critic_ranks = cfg.algo.critic.ranks if algorithm.uses_critic else 0
+        placement = plan_placement(cfg, use_cuda, algorithm.uses_reference, critic_ranks)
         for notice in placement.notices:
             console.print(notice)
         # Weights in shared memory live on the policy's node: its /dev/shm is checked there, by
@@ -228,7 +249,9 @@ def run(cfg, console: Console) -> dict:
         # small /dev/shm says nothing about it).
         check_data_plane_room(cfg, model_path, policy_dtype, redis_url, shm_here=placement.on_launchers_host)
         prepare_output_dir(cfg, out_dir)
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        if not cfg.resume:  # a run that fails before its first step leaves no folder behind
+            stack.callback(_remove_if_no_step_finished, out_dir)
+        resolved = OmegaConf.to_container(hydra_cfg, resolve=True)
         resolved["model"]["path"] = model_path
         resolved["policy"]["dtype"] = policy_dtype
         write_config(cfg, out_dir, resolved, console)
@@ -239,13 +262,23 @@ def run(cfg, console: Console) -> dict:
         writers: list = []
         stack.callback(_clean_other_nodes, writers, shm_dir, engine_record, console)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
-        actors = start_actors(cfg, model_path, redis_url, policy_dtype, use_cuda, placement, writers)
+        actors = start_actors(
+            cfg, algorithm, task.scorer, model_path, redis_url, policy_dtype, use_cuda, placement, writers
+        )
         stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
         state = resume_from_checkpoint(actors, out_dir, console) if cfg.resume else None
-        result = run_grpo(cfg, actors, task, tokenizer, out_dir, console, resume=state)
+        result = train(cfg, algorithm, task, actors, out_dir, console, resume=state)
         result["hf_dir"] = actors.trainer.export_hf(str((out_dir / "hf").resolve()))
     return result
+
+
+def _remove_if_no_step_finished(out_dir: Path) -> None:
+    """Remove a new run's output folder if it holds no finished step (the run failed or was
+    stopped before its first step ended): nothing in it is worth keeping, and it would make the
+    same command fail with 'already exists'."""
+    metrics = out_dir / "metrics.jsonl"
+    if not (metrics.exists() and metrics.read_text().strip()):
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def _remove_engine_files(record: Path, console) -> None:
@@ -291,7 +324,8 @@ def _remove_store_keys(redis_url: str, run: str, console: Console) -> None:
 def main(cfg) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     console = Console(soft_wrap=True)
-    from apps.grpo.loop import ActorStartError
+    from apps.grpo.loop import TrainingStopped
+    from apps.grpo.start import ActorStartError
     from checkpointing.folders import CheckpointError
     from weightsync.redis_server import RedisUnavailable
     from weightsync.redis_space import NotEnoughRedisMemory
@@ -302,6 +336,7 @@ def main(cfg) -> None:
     except (
         ConfigError,
         ActorStartError,
+        TrainingStopped,
         RedisUnavailable,
         CheckpointError,
         NotEnoughSharedMemory,

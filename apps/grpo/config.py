@@ -1,163 +1,180 @@
-"""The GRPO run's config schema (Hydra structured config) and its value checks.
+"""The run's config: its schema (Hydra structured config), loading it into typed groups, checks.
 
 The schema gives every knob its name and type; the values and their explanations live in one
 place, the YAML under ``configs/`` (a top config plus groups), which Hydra merges onto this
-schema. A misspelt key anywhere (YAML or command line) is an error that names the key, and a value
-of the wrong type is an error that names the key and the type.
+schema. ``algo`` and ``task`` are chosen by name (``algo=ppo``, ``task=dataset``): their keys are
+those of the chosen module's ``Config`` (``algos/<name>.py``, ``tasks/<name>.py``).
+
+``load_config`` turns Hydra's config into typed dataclasses (each group passed whole to the
+actors that use it) and checks every value once (``validation.config``). A misspelt key anywhere
+(YAML or command line), a value of the wrong type or an invalid value is an error that names the
+key and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-POLICY_DTYPES = ("auto", "float32", "bfloat16", "float16")
-TRAIN_DTYPES = ("float32", "bfloat16", "float16")
-KL_MODES = ("loss", "reward")
-DATA_PLANES = ("shm", "redis")
-REFERENCE_DEVICES = ("auto", "cpu", "gpu")
+from actors.config import PolicyConfig
+from algos.base import AlgoConfig, algorithm_class
+from algos.train_config import TrainerConfig
+from tasks.base import TaskConfig, task_class
+from validation.config import ConfigError, check_config
+from weightsync.config import WeightSyncConfig
+
+__all__ = ["ConfigError", "RunConfig", "check_override_keys", "compose_config", "load_config", "register"]
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclass
 class ModelConfig:
-    path: str | None = MISSING
-    tiny_cache_dir: str | None = MISSING
-
-
-@dataclass
-class PolicyConfig:
-    tp: int = MISSING
-    dtype: str = MISSING
-    max_model_len: int = MISSING
-    kv_cache_mib: int = MISSING
-    enforce_eager: bool = MISSING
-    temperature: float = MISSING
-    max_tokens: int = MISSING
-    omp_threads_bind: str | None = MISSING
-
-
-@dataclass
-class TrainerConfig:
-    ranks: int = MISSING
-    lr: float = MISSING
-    lr_schedule: str = MISSING
-    min_lr_ratio: float = MISSING
-    warmup_steps: int = MISSING
-    weight_decay: float = MISSING
-    max_grad_norm: float = MISSING
-    micro_batch_size: int | None = MISSING
-    param_dtype: str = MISSING
-    reduce_dtype: str = MISSING
-    torch_threads: int = MISSING
-
-
-@dataclass
-class AlgoConfig:
-    group_size: int = MISSING
-    advantage_std_norm: bool = MISSING
-    clip_eps: float = MISSING
-    clip_eps_high: float | None = MISSING
-    kl_coef: float = MISSING
-    reference_device: str = MISSING
-    kl_estimator: str = MISSING
-    kl_mode: str = MISSING
-    loss_aggregation: str = MISSING
-    length_normalizer: int | None = MISSING
-    tis_cap: float | None = MISSING
-    max_staleness: int = MISSING
-
-
-@dataclass
-class TaskConfig:
-    low: int = MISSING
-    high: int = MISSING
-    ops: list[str] = MISSING
-    eval_size: int = MISSING
-    format_reward: float = MISSING
+    path: str | None
+    tiny_cache_dir: str | None
 
 
 @dataclass
 class RedisConfig:
-    url: str | None = MISSING
+    url: str | None
 
 
 @dataclass
 class RayConfig:
-    address: str | None = MISSING
-    log_to_driver: bool = MISSING
-
-
-@dataclass
-class WeightSyncConfig:
-    data_plane: str = MISSING
-    shm_root: str = MISSING
-    keep_last: int = MISSING
-    checksums: bool = MISSING
-    verify: bool = MISSING
-    delta: bool = MISSING
-    delta_max_live: float = MISSING
-    delta_elements: bool = MISSING
+    address: str | None
+    log_to_driver: bool
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = MISSING
-    keep_last: int = MISSING
-    async_save: bool = MISSING
+    every: int
+    keep_last: int
+    async_save: bool
+
+    def rules(self) -> list[tuple[bool, str, str]]:
+        return [
+            (self.every >= 0, "every", "an integer >= 0 (0: no checkpoints)"),
+            (self.keep_last >= 1, "keep_last", "an integer >= 1"),
+        ]
 
 
 @dataclass
-class GRPOConfig:
-    run_name: str = MISSING
-    output_dir: str = MISSING
-    overwrite: bool = MISSING
-    resume: bool = MISSING
-    steps: int = MISSING
-    prompts_per_step: int = MISSING
-    eval_every: int = MISSING
-    seed: int = MISSING
-    model: ModelConfig = field(default_factory=ModelConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    redis: RedisConfig = field(default_factory=RedisConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
-    weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+class RunConfig:
+    run_name: str
+    output_dir: str
+    overwrite: bool
+    resume: bool
+    steps: int
+    prompts_per_step: int
+    eval_every: int
+    seed: int
+    model: ModelConfig
+    policy: PolicyConfig
+    trainer: TrainerConfig
+    algo: Any  # the chosen algorithm's Config (algos/<algo.name>.py)
+    task: Any  # the chosen task's Config (tasks/<task.name>.py)
+    redis: RedisConfig
+    ray: RayConfig
+    weightsync: WeightSyncConfig
+    checkpoint: CheckpointConfig
+
+    def rules(self) -> list[tuple[bool, str, str]]:
+        return [
+            (self.steps >= 1, "steps", "an integer >= 1"),
+            (self.prompts_per_step >= 1, "prompts_per_step", "an integer >= 1"),
+            (self.eval_every >= 0, "eval_every", "an integer >= 0 (0: only before and after training)"),
+            (
+                bool(str(self.run_name).strip()) and not {"/", ":"} & set(str(self.run_name)),
+                "run_name",
+                "a non-empty name without '/' or ':'",
+            ),
+        ]
 
 
 def register() -> None:
-    ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig)
+    ConfigStore.instance().store(name="grpo_schema", node=RunConfig)
 
 
-class ConfigError(ValueError):
-    pass
+def _group_class(group: str, name: Any) -> type:
+    """The Config dataclass of the chosen algorithm or task (``ConfigError`` for an unknown name)."""
+    find = algorithm_class if group == "algo" else task_class
+    try:
+        return find(str(name)).Config
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
-def _schema_keys(node: type = None, prefix: str = "") -> dict[str, list[str]]:
+def _typed(node: Any, cls: type, key: str):
+    """``node`` (a config group's values) as an instance of ``cls``, type-checked by OmegaConf."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+    except OmegaConfBaseException as e:
+        where = ".".join(k for k in (key, getattr(e, "full_key", None)) if k)
+        raise ConfigError(f"config key {where}: {str(e.msg).splitlines()[0]}") from None
+
+
+def load_config(cfg: DictConfig) -> RunConfig:
+    """Hydra's composed config as a checked ``RunConfig`` whose ``algo`` and ``task`` are the
+    chosen modules' ``Config`` instances; ``ConfigError`` names the first bad key."""
+    groups = {}
+    for group, base in (("algo", AlgoConfig), ("task", TaskConfig)):
+        node = cfg[group]
+        if not isinstance(node, DictConfig) or "name" not in node:
+            raise ConfigError(f"config group {group} needs a 'name' key: the module in {group}s/ (e.g. {group}=...)")
+        groups[group] = _typed(node, _group_class(group, node.name), group)
+        assert isinstance(groups[group], base)
+    run = dataclasses.replace(_typed(cfg, RunConfig, ""), **groups)
+    check_config(run)
+    return run
+
+
+def compose_config(*overrides: str) -> RunConfig:
+    """The checked config of ``configs/grpo.yaml`` with command-line style ``overrides`` (for
+    tests and benchmarks; a run gets its config from Hydra's ``main``)."""
+    from hydra import compose, initialize_config_dir
+
+    register()
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return load_config(compose("grpo", overrides=list(overrides)))
+
+
+def _default_choice(group: str) -> str:
+    for item in OmegaConf.load(CONFIG_DIR / "grpo.yaml").defaults:
+        if isinstance(item, DictConfig) and group in item:
+            return str(item[group])
+    raise ConfigError(f"configs/grpo.yaml chooses no {group}")
+
+
+def _schema_keys(node: type, prefix: str = "") -> dict[str, list[str]]:
     """Each config group path ("" for the top) -> the keys allowed in it."""
-    node = node or GRPOConfig
     out = {prefix: []}
+    types = typing.get_type_hints(node)
     for f in dataclasses.fields(node):
         out[prefix].append(f.name)
-        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(sub):
-            out.update(_schema_keys(sub, f"{prefix}{f.name}."))
+        if dataclasses.is_dataclass(types[f.name]):
+            out.update(_schema_keys(types[f.name], f"{prefix}{f.name}."))
     return out
 
 
 def check_override_keys(args: list[str]) -> None:
     """Reject command-line overrides of unknown keys, naming the allowed ones and the closest.
 
-    Hydra would reject them too, but without saying what is allowed. Hydra's own flags and
-    ``hydra.*``, ``+key``/``~key`` overrides are left to Hydra.
+    Hydra would reject them too, but without saying what is allowed. ``algo.*`` and ``task.*``
+    keys are those of the algorithm and task the arguments choose (``algo=ppo``), or of the
+    defaults. Hydra's own flags and ``hydra.*``, ``+key``/``~key`` overrides are left to Hydra.
     """
-    groups = _schema_keys()
+    groups = _schema_keys(RunConfig)
+    for group in ("algo", "task"):
+        chosen = next((a.split("=", 1)[1] for a in args if a.startswith(f"{group}=")), None)
+        groups.update(_schema_keys(_group_class(group, chosen or _default_choice(group)), f"{group}."))
     for arg in args:
         if arg.startswith(("-", "+", "~", "hydra.", "hydra/")) or "=" not in arg:
             continue
@@ -176,80 +193,3 @@ def check_override_keys(args: list[str]) -> None:
             f"unknown config key {key!r}; allowed keys{' in ' + parent.rstrip('.') if parent else ''}: "
             f"{sorted(groups[parent])}.{hint}"
         )
-
-
-def validate(cfg) -> None:
-    """Check values that the types alone do not; the message names the key and what is allowed."""
-    from algos.grpo import KL_ESTIMATORS, LOSS_AGGREGATIONS  # imports torch: not at module level
-    from algos.schedule import LR_SCHEDULES
-
-    checks = [
-        (cfg.steps >= 1, "steps", "an integer >= 1"),
-        (cfg.prompts_per_step >= 1, "prompts_per_step", "an integer >= 1"),
-        (cfg.eval_every >= 0, "eval_every", "an integer >= 0 (0: only before and after training)"),
-        (cfg.policy.tp >= 1, "policy.tp", "an integer >= 1"),
-        (cfg.policy.dtype in POLICY_DTYPES, "policy.dtype", f"one of {list(POLICY_DTYPES)}"),
-        (cfg.policy.temperature > 0, "policy.temperature", "a number > 0"),
-        (cfg.policy.max_tokens >= 1, "policy.max_tokens", "an integer >= 1"),
-        (cfg.policy.kv_cache_mib >= 1, "policy.kv_cache_mib", "an integer >= 1"),
-        (cfg.trainer.ranks >= 1, "trainer.ranks", "an integer >= 1"),
-        (cfg.trainer.lr > 0, "trainer.lr", "a number > 0"),
-        (cfg.trainer.lr_schedule in LR_SCHEDULES, "trainer.lr_schedule", f"one of {list(LR_SCHEDULES)}"),
-        (0 <= cfg.trainer.min_lr_ratio <= 1, "trainer.min_lr_ratio", "a number within [0, 1]"),
-        (cfg.trainer.param_dtype in TRAIN_DTYPES, "trainer.param_dtype", f"one of {list(TRAIN_DTYPES)}"),
-        (cfg.trainer.reduce_dtype in TRAIN_DTYPES, "trainer.reduce_dtype", f"one of {list(TRAIN_DTYPES)}"),
-        (cfg.trainer.warmup_steps >= 0, "trainer.warmup_steps", "an integer >= 0"),
-        (cfg.trainer.max_grad_norm > 0, "trainer.max_grad_norm", "a number > 0"),
-        (
-            cfg.trainer.micro_batch_size is None or cfg.trainer.micro_batch_size >= 1,
-            "trainer.micro_batch_size",
-            "null (the whole batch) or an integer >= 1",
-        ),
-        (cfg.trainer.torch_threads >= 1, "trainer.torch_threads", "an integer >= 1"),
-        (cfg.algo.group_size >= 2, "algo.group_size", "an integer >= 2 (GRPO compares samples within a group)"),
-        (cfg.algo.clip_eps > 0, "algo.clip_eps", "a number > 0"),
-        (cfg.algo.kl_coef >= 0, "algo.kl_coef", "a number >= 0"),
-        (cfg.algo.reference_device in REFERENCE_DEVICES, "algo.reference_device", f"one of {list(REFERENCE_DEVICES)}"),
-        (cfg.algo.clip_eps_high is None or cfg.algo.clip_eps_high > 0, "algo.clip_eps_high", "null or a number > 0"),
-        (cfg.algo.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", f"one of {list(KL_ESTIMATORS)}"),
-        (cfg.algo.kl_mode in KL_MODES, "algo.kl_mode", f"one of {list(KL_MODES)}"),
-        (cfg.algo.loss_aggregation in LOSS_AGGREGATIONS, "algo.loss_aggregation", f"one of {list(LOSS_AGGREGATIONS)}"),
-        (
-            cfg.algo.length_normalizer is None or cfg.algo.length_normalizer >= 1,
-            "algo.length_normalizer",
-            "null (policy.max_tokens) or an integer >= 1",
-        ),
-        (cfg.algo.tis_cap is None or cfg.algo.tis_cap > 0, "algo.tis_cap", "null (off) or a number > 0"),
-        (cfg.algo.max_staleness >= 0, "algo.max_staleness", "an integer >= 0"),
-        (cfg.weightsync.keep_last >= 1, "weightsync.keep_last", "an integer >= 1"),
-        (cfg.weightsync.data_plane in DATA_PLANES, "weightsync.data_plane", f"one of {list(DATA_PLANES)}"),
-        (
-            cfg.weightsync.checksums or not cfg.weightsync.verify,
-            "weightsync.verify",
-            "false when weightsync.checksums=false (there is nothing to verify)",
-        ),
-        (
-            cfg.weightsync.checksums or not cfg.weightsync.delta,
-            "weightsync.delta",
-            "false when weightsync.checksums=false (delta sync finds changed chunks by their checksums)",
-        ),
-        (cfg.weightsync.delta_max_live >= 1, "weightsync.delta_max_live", "a number >= 1"),
-        (
-            cfg.weightsync.delta or not cfg.weightsync.delta_elements,
-            "weightsync.delta_elements",
-            "false unless weightsync.delta=true (element patches are a form of delta sync)",
-        ),
-        (cfg.checkpoint.every >= 0, "checkpoint.every", "an integer >= 0 (0: no checkpoints)"),
-        (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "an integer >= 1"),
-        (
-            bool(str(cfg.run_name).strip()) and not {"/", ":"} & set(str(cfg.run_name)),
-            "run_name",
-            "a non-empty name without '/' or ':'",
-        ),
-    ]
-    for ok, key, allowed in checks:
-        if not ok:
-            value = cfg
-            for part in key.split("."):
-                value = value[part]
-            raise ConfigError(f"config key {key}={value!r} is invalid: expected {allowed}")

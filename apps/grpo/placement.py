@@ -1,5 +1,5 @@
 """Where the actors run: GPUs or not, the node of the policy and the trainer ranks, the reference
-model's GPU. ``plan_placement`` decides all of it once Ray is up, before any actor starts.
+model's GPU, the critic's. ``plan_placement`` decides all of it once Ray is up, before any actor starts.
 
 A run uses GPUs when any node of the Ray cluster has one (not when the launcher's host does: a
 cluster's head node often has none). The reference model exchanges episodes, not weights, so it
@@ -36,22 +36,26 @@ def cluster_gpu_count() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
-def reference_gpus(device: str, cluster_gpus: int, policy_gpus: int, trainer_gpus: int) -> tuple[int, str]:
+def reference_gpus(
+    device: str, cluster_gpus: int, policy_gpus: int, trainer_gpus: int, critic_gpus: int = 0
+) -> tuple[int, str]:
     """GPUs for the reference model's actor (0 or 1) and, where that is worth saying, why.
 
     ``algo.reference_device``: ``gpu`` takes a GPU of its own (any node: it exchanges episodes,
     not weights, with the others) and stops the run at start when the cluster has none beyond
-    the policy's and the trainer ranks'; ``auto`` does so when there is one spare and otherwise
-    computes on a CPU; ``cpu`` always does. (Sharing a trainer rank's GPU would need fractional
-    GPU requests from every rank; not done.)
+    the policy's, the trainer ranks' and the critic ranks'; ``auto`` does so when there is one
+    spare and otherwise computes on a CPU; ``cpu`` always does. (Sharing a trainer rank's GPU
+    would need fractional GPU requests from every rank; not done.)
     """
-    spare = cluster_gpus - policy_gpus - trainer_gpus
+    spare = cluster_gpus - policy_gpus - trainer_gpus - critic_gpus
     if device == "cpu":
         return 0, ""
     if spare >= 1:
         return 1, ""
+    critic = f" and the critic ranks ({critic_gpus})" if critic_gpus else ""
     counts = (
         f"the cluster's {cluster_gpus} GPUs go to the policy ({policy_gpus}) and the trainer ranks ({trainer_gpus})"
+        + critic
     )
     if device == "gpu":
         if cluster_gpus == 0:
@@ -131,14 +135,21 @@ class Placement:
     notices: tuple[str, ...] = ()
 
 
-def plan_placement(cfg, use_cuda: bool) -> Placement:
-    """Call with Ray up; raises ``ConfigError`` where the cluster has no room for the run."""
-    policy_gpus, trainer_gpus = (cfg.policy.tp, cfg.trainer.ranks) if use_cuda else (0, 0)
+def plan_placement(cfg, use_cuda: bool, uses_reference: bool, critic_ranks: int) -> Placement:
+    """Call with Ray up; raises ``ConfigError`` where the cluster has no room for the run.
+    ``uses_reference`` / ``critic_ranks``: what the algorithm needs (0: no critic)."""
+    policy_gpus, trainer_gpus, critic_gpus = (cfg.policy.tp, cfg.trainer.ranks, critic_ranks) if use_cuda else (0, 0, 0)
     nodes, launcher_node = ray.nodes(), ray.get_runtime_context().get_node_id()
     # One node for the shm plane / the private Redis.
     where = weight_sync_actor_options(cfg, policy_gpus + trainer_gpus, nodes, launcher_node)
+    cluster_gpus = cluster_gpu_count() if use_cuda else 0
+    if critic_gpus and cluster_gpus < policy_gpus + trainer_gpus + critic_gpus:
+        raise ConfigError(
+            f"algo.critic.ranks={critic_ranks}: each critic rank needs a GPU of its own, and the cluster's "
+            f"{cluster_gpus} GPUs go to the policy ({policy_gpus}) and the trainer ranks ({trainer_gpus})"
+        )
     ref_gpus, why = 0, ""
-    if cfg.algo.kl_coef > 0:
-        ref_gpus, why = reference_gpus(cfg.algo.reference_device, cluster_gpu_count(), policy_gpus, trainer_gpus)
+    if uses_reference:
+        ref_gpus, why = reference_gpus(cfg.algo.reference_device, cluster_gpus, policy_gpus, trainer_gpus, critic_gpus)
     here = pinned_to_launchers_host(where, nodes, launcher_node)
     return Placement(where, here, ref_gpus, (why,) if why else ())

@@ -1,0 +1,34 @@
+"""The ``policy`` config group: the vLLM engine that samples rollouts (``actors/policy.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICY_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class PolicyConfig:
+    tp: int
+    dtype: str  # auto: float32 on CPU, bfloat16 on GPUs (the launcher resolves it)
+    max_model_len: int
+    kv_cache_mib: int
+    enforce_eager: bool
+    temperature: float
+    max_tokens: int
+    omp_threads_bind: str | None
+
+    def rules(self) -> list[tuple[bool, str, str]]:
+        return [
+            (self.tp >= 1, "tp", "an integer >= 1"),
+            (self.dtype in POLICY_DTYPES, "dtype", f"one of {list(POLICY_DTYPES)}"),
+            (self.max_model_len >= 2, "max_model_len", "an integer >= 2"),
+            (self.kv_cache_mib >= 1, "kv_cache_mib", "an integer >= 1"),
+            (self.temperature > 0, "temperature", "a number > 0"),
+            (self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (
+                self.max_tokens < self.max_model_len,
+                "max_tokens",
+                f"less than policy.max_model_len={self.max_model_len}",
+            ),
+        ]

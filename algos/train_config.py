@@ -1,0 +1,47 @@
+"""The settings of an FSDP2-sharded model trained with AdamW: the policy's trainer (the
+``trainer`` config group) and a critic (PPO's ``algo.critic``) each have one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from algos.schedule import LR_SCHEDULES
+
+TRAIN_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class TrainerConfig:
+    ranks: int  # FSDP2 ranks, one Ray actor each
+    lr: float
+    lr_schedule: str
+    min_lr_ratio: float
+    warmup_steps: int
+    weight_decay: float
+    max_grad_norm: float
+    micro_batch_size: int | None
+    param_dtype: str
+    reduce_dtype: str
+    torch_threads: int
+    # Updates skipped in a row (non-finite loss or gradient norm) before the run stops.
+    max_skipped_steps: int
+
+    def rules(self) -> list[tuple[bool, str, str]]:
+        return [
+            (self.ranks >= 1, "ranks", "an integer >= 1"),
+            (self.lr > 0, "lr", "a number > 0"),
+            (self.lr_schedule in LR_SCHEDULES, "lr_schedule", f"one of {list(LR_SCHEDULES)}"),
+            (0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "a number within [0, 1]"),
+            (self.warmup_steps >= 0, "warmup_steps", "an integer >= 0"),
+            (self.weight_decay >= 0, "weight_decay", "a number >= 0"),
+            (self.max_grad_norm > 0, "max_grad_norm", "a number > 0"),
+            (
+                self.micro_batch_size is None or self.micro_batch_size >= 1,
+                "micro_batch_size",
+                "null (the whole batch) or an integer >= 1",
+            ),
+            (self.param_dtype in TRAIN_DTYPES, "param_dtype", f"one of {list(TRAIN_DTYPES)}"),
+            (self.reduce_dtype in TRAIN_DTYPES, "reduce_dtype", f"one of {list(TRAIN_DTYPES)}"),
+            (self.torch_threads >= 1, "torch_threads", "an integer >= 1"),
+            (self.max_skipped_steps >= 1, "max_skipped_steps", "an integer >= 1"),
+        ]

@@ -1,0 +1,130 @@
+"""Starting the run's actors: which ones the algorithm needs, each given its config group whole,
+and a failed start said in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from actors.policy import Policy
+from actors.rank_groups import CriticGroup, TrainerGroup
+from actors.reference import Reference
+from actors.replay import ReplayBuffer
+from actors.reward import Reward
+from algos.base import Algorithm
+from apps.grpo import interrupts
+from apps.grpo.config import RunConfig
+from apps.grpo.placement import Placement
+from tasks.base import Scorer
+from weightsync.push import run_dir
+
+
+@dataclass
+class Actors:
+    policy: ray.actor.ActorHandle
+    trainer: TrainerGroup
+    reward: ray.actor.ActorHandle
+    replay: ray.actor.ActorHandle
+    reference: ray.actor.ActorHandle | None  # when the algorithm has a KL term
+    critic: CriticGroup | None  # when the algorithm has a critic
+
+
+class ActorStartError(RuntimeError):
+    """An actor's constructor raised: a bad model, a vLLM engine that did not start, ..."""
+
+
+_EXCEPTION_START = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*: ")
+
+
+def final_exception(traceback_text: str) -> str:
+    """The exception a Ray error's traceback ends with ("ValueError: ...", all its lines; the
+    class without its module)."""
+    lines = traceback_text.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if _EXCEPTION_START.match(lines[i]):
+            return "\n".join([re.sub(r"^(?:[A-Za-z_]\w*\.)+", "", lines[i]), *lines[i + 1 :]])
+    return lines[-1] if lines else traceback_text
+
+
+def engine_files_record(cfg: RunConfig) -> Path:
+    """Where the policy lists its vLLM engine's shared-memory files (``actors.engine_shm``): in
+    the run's shared-memory folder, which the launcher removes at the end."""
+    return run_dir(cfg.weightsync.shm_root, cfg.run_name) / "engine-files.json"
+
+
+def start_actors(
+    cfg: RunConfig,
+    algorithm: Algorithm,
+    scorer: Scorer,
+    model_path: str,
+    redis_url: str,
+    policy_dtype: str,
+    use_cuda: bool,
+    placement: Placement,
+    writers: list | None = None,
+) -> Actors:
+    """``placement``: from ``plan_placement``. ``writers``: gets the actors that write to shared
+    memory (the policy, the trainer ranks) as they are made, so that the launcher can end them
+    even if this start is interrupted."""
+    writers = [] if writers is None else writers
+    where = placement.weight_sync
+    policy = Policy.options(num_gpus=cfg.policy.tp if use_cuda else 0, **where).remote(
+        model_path,
+        redis_url,
+        cfg.run_name,
+        dataclasses.replace(cfg.policy, dtype=policy_dtype),
+        seed=cfg.seed,
+        verify=cfg.weightsync.verify,
+        engine_files_record=str(engine_files_record(cfg)),
+    )
+    writers.append(policy)
+    trainer = TrainerGroup(
+        cfg.trainer,
+        model_path,
+        redis_url,
+        cfg.run_name,
+        loss=algorithm.policy_loss(),
+        weightsync=cfg.weightsync,
+        sync_dtype=policy_dtype,
+        total_steps=cfg.steps,
+        seed=cfg.seed,
+        use_cuda=use_cuda,
+        actor_options=where,
+    )
+    writers.extend(trainer.ranks)
+    named = {"the policy": policy} | {f"trainer rank {i}": r for i, r in enumerate(trainer.ranks)}
+    critic = None
+    if algorithm.uses_critic:
+        critic_config, value_loss = algorithm.critic()
+        critic = CriticGroup(
+            critic_config, model_path, loss=value_loss, total_steps=cfg.steps, seed=cfg.seed, use_cuda=use_cuda
+        )
+        named |= {f"critic rank {i}": r for i, r in enumerate(critic.ranks)}
+    reference = None
+    if algorithm.uses_reference:
+        # On a GPU at the trainer's compute dtype, so that the KL compares like with like.
+        device, dtype = ("cuda", cfg.trainer.param_dtype) if placement.reference_gpus else ("cpu", "float32")
+        reference = Reference.options(num_gpus=placement.reference_gpus).remote(
+            model_path, cfg.trainer.torch_threads, device=device, dtype=dtype
+        )
+        named["the reference model"] = reference
+    actors = Actors(
+        policy, trainer, Reward.remote(scorer, cfg.task), ReplayBuffer.remote(cfg.algo.max_staleness), reference, critic
+    )
+    # Surface a failed start (bad model, vLLM error) here rather than at the first call. The
+    # engine's start takes a minute: wait so that Ctrl-C stops it (see apps.grpo.interrupts).
+    try:
+        interrupts.ready([a.__ray_ready__.remote() for a in named.values()])
+    except ray.exceptions.RayActorError as e:
+        if not getattr(e, "actor_init_failed", False):
+            raise
+        who = next((name for name, a in named.items() if a._actor_id.hex() == e.actor_id), "an actor")
+        raise ActorStartError(f"{who} did not start: {final_exception(e.error_msg)}") from e
+    trainer.start()
+    if critic is not None:
+        critic.start()
+    return actors
