@@ -67,14 +67,19 @@ class RewardWorker:
         """The child's process id; None once closed."""
         return self._process.pid if self._finalizer.alive else None
 
-    def score(self, problems: list[Problem], completions: list[str], finished: list[bool]) -> Scores:
-        """Rewards and verdicts for ``completions`` of ``problems``; never raises for a bad call."""
+    def score(
+        self, problems: list[Problem], completions: list[str], finished: list[bool], with_rewards: bool = True
+    ) -> Scores:
+        """Rewards and verdicts for ``completions`` of ``problems``; never raises for a bad call.
+        ``with_rewards=False`` (evaluation) asks for the verdicts alone: ``rewards`` stays empty and
+        neither the reward function nor ``scorer.score`` is called."""
         if not self._finalizer.alive:
             raise RuntimeError("this RewardWorker is closed")
         calls = list(zip(problems, completions, finished, strict=True))
         scores = Scores([], [], 0, None)
-        for i, (reward, correct, error) in enumerate(self._run(calls)):
-            scores.rewards.append(self.fallback if reward is None else reward)
+        for i, (reward, correct, error) in enumerate(self._run(calls, with_rewards)):
+            if with_rewards:
+                scores.rewards.append(self.fallback if reward is None else reward)
             scores.correct.append(correct)
             if error is not None:
                 scores.errors += 1
@@ -91,12 +96,12 @@ class RewardWorker:
         """Stops the child; idempotent."""
         self._finalizer()
 
-    def _run(self, calls: list[Call]) -> list[Result]:
+    def _run(self, calls: list[Call], with_rewards: bool) -> list[Result]:
         """One result per call. A call whose result does not come within the timeout, or whose
         child died, is an error; the child is replaced and given the calls after it."""
         results: list[Result] = []
         while len(results) < len(calls):
-            self._send(calls[len(results) :])
+            self._send((with_rewards, calls[len(results) :]))
             for _ in range(len(calls) - len(results)):
                 if not self._conn.poll(self.timeout_s):
                     results.append((None, False, f"timed out after {self.timeout_s:g} s"))
@@ -111,12 +116,12 @@ class RewardWorker:
                     break
         return results
 
-    def _send(self, calls: list[Call]) -> None:
+    def _send(self, batch: tuple[bool, list[Call]]) -> None:
         try:
-            self._conn.send(calls)
+            self._conn.send(batch)
         except OSError:  # the child died between batches (killed from outside): no call is to blame
             self._restart()
-            self._conn.send(calls)
+            self._conn.send(batch)
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -153,8 +158,10 @@ class Reward:
     def __init__(self, scorer: Scorer, config: TaskConfig) -> None:
         self.worker = RewardWorker(scorer, config.reward_fn, config.reward_timeout_s, config.reward_fallback)
 
-    def score(self, problems: list[Problem], completions: list[str], finished: list[bool]) -> Scores:
-        return self.worker.score(problems, completions, finished)
+    def score(
+        self, problems: list[Problem], completions: list[str], finished: list[bool], with_rewards: bool = True
+    ) -> Scores:
+        return self.worker.score(problems, completions, finished, with_rewards)
 
     def close(self) -> None:
         self.worker.close()
@@ -184,11 +191,11 @@ def _serve(conn: Connection, scorer: Scorer, reward_fn: str | None, parent: int)
     conn.send(None)
     while True:
         try:
-            calls = conn.recv()
+            with_rewards, calls = conn.recv()
         except EOFError:
             return
         for problem, completion, finished in calls:
-            conn.send(_call(scorer, fn, problem, completion, finished))
+            conn.send(_call(scorer, fn, problem, completion, finished, with_rewards))
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -198,25 +205,40 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _call(scorer: Scorer, fn: Callable[..., float] | None, problem: Problem, completion: str, finished: bool) -> Result:
+def _call(
+    scorer: Scorer,
+    fn: Callable[..., float] | None,
+    problem: Problem,
+    completion: str,
+    finished: bool,
+    with_rewards: bool,
+) -> Result:
     errors = []
-    reward = None
-    try:
-        if fn is None:
-            value = scorer.score(problem, completion, finished)
-        else:
-            value = fn(prompt=problem.prompt, completion=completion, answer=problem.answer, finished=finished)
-        if not isinstance(value, numbers.Real):
-            errors.append(f"returned {_short(value)}, not a number")
-        elif not math.isfinite(float(value)):
-            errors.append(f"returned {float(value)}")
-        else:
-            reward = float(value)
-    except Exception as e:
-        errors.append(f"raised {type(e).__name__}: {e}")
+    reward = _reward(scorer, fn, problem, completion, finished, errors) if with_rewards else None
     try:
         correct = bool(scorer.is_correct(problem, completion, finished))
     except Exception as e:
         correct = False
         errors.append(f"is_correct raised {type(e).__name__}: {e}")
     return reward, correct, "; ".join(errors) or None
+
+
+def _reward(
+    scorer: Scorer, fn: Callable[..., float] | None, problem: Problem, completion: str, finished: bool, errors: list
+) -> float | None:
+    """The reward function's (else the scorer's) finite reward; None, with the reason in ``errors``, if it has none."""
+    try:
+        if fn is None:
+            value = scorer.score(problem, completion, finished)
+        else:
+            value = fn(prompt=problem.prompt, completion=completion, answer=problem.answer, finished=finished)
+    except Exception as e:
+        errors.append(f"raised {type(e).__name__}: {e}")
+        return None
+    if not isinstance(value, numbers.Real):
+        errors.append(f"returned {_short(value)}, not a number")
+    elif not math.isfinite(float(value)):
+        errors.append(f"returned {float(value)}")
+    else:
+        return float(value)
+    return None

@@ -208,3 +208,12 @@ def test_the_ray_actor_scores_with_the_task_config(ray_module):
         ray_module.kill(actor)
     assert (scores.rewards, scores.correct, scores.errors) == ([0.5, FALLBACK], [True, False], 1)
     assert "returned nan" in scores.first_error
+
+
+def test_verdicts_alone_do_not_call_the_reward_function():
+    w = worker(f"{HERE}:hanging_reward", timeout_s=2.0)
+    try:
+        scores = w.score([problem(2, "+", 3)] * 2, ["hang", "5"], [True, True], with_rewards=False)
+    finally:
+        w.close()
+    assert (scores.rewards, scores.correct, scores.errors, scores.first_error) == ([], [False, True], 0, None)

@@ -36,14 +36,14 @@ def train(
     """Train up to step ``cfg.steps`` (from ``resume``'s step, else from 0 after a first eval);
     one row per step in ``metrics.jsonl``. Returns the held-out accuracy at both ends."""
     n = algorithm.samples_per_prompt
+    health = TrainingHealth(cfg, console)
     if resume is None:
-        first_eval = evaluate(actors, task.heldout)
+        first_eval = evaluate(actors, task.heldout, health)
         console.print(f"eval accuracy before training: {first_eval:.3f} on {len(task.heldout)} held-out problems")
         resume = LoopState(0, 0, 0, first_eval, first_eval)
     state = resume
     batches = task.train_batches(cfg.prompts_per_step, start=state.data_cursor)
     checkpointer = Checkpointer(cfg.checkpoint, out_dir, actors, console)
-    health = TrainingHealth(cfg, console)
     title = cfg.algo.name.upper()
     with RunLog(out_dir, console, title, cfg.steps, state.step, state.last_eval) as log:
         for step in range(state.step, cfg.steps):
@@ -53,7 +53,7 @@ def train(
             if step == 0:
                 row["eval_accuracy"] = state.eval_accuracy_start
             elif cfg.eval_every and step % cfg.eval_every == 0:
-                row["eval_accuracy"] = state.last_eval = evaluate(actors, task.heldout)
+                row["eval_accuracy"] = state.last_eval = evaluate(actors, task.heldout, health)
 
             # 1-2. Prompts -> n completions each, with their logprobs and the policy version.
             problems = next(batches)
@@ -103,7 +103,7 @@ def train(
             else:
                 checkpointer.poll()
         checkpointer.finish()
-        final_eval = evaluate(actors, task.heldout)
+        final_eval = evaluate(actors, task.heldout, health)
         log.final(final_eval, state.policy_version)
     return {
         "eval_accuracy_start": state.eval_accuracy_start,
@@ -112,10 +112,12 @@ def train(
     }
 
 
-def evaluate(actors: Actors, problems: list[Problem]) -> float:
-    """Greedy accuracy on ``problems``, by the task's own verdict."""
+def evaluate(actors: Actors, problems: list[Problem], health: TrainingHealth) -> float:
+    """Greedy accuracy on ``problems``, by the task's own verdict (no reward is computed)."""
     outputs = ray.get(actors.policy.greedy.remote([p.prompt for p in problems]))
-    scores: Scores = ray.get(actors.reward.score.remote(problems, [t for t, _ in outputs], [f for _, f in outputs]))
+    completions, finished = [t for t, _ in outputs], [f for _, f in outputs]
+    scores: Scores = ray.get(actors.reward.score.remote(problems, completions, finished, with_rewards=False))
+    health.reward_errors(scores)
     return sum(scores.correct) / len(problems)
 
 
@@ -190,8 +192,9 @@ class TrainingHealth:
     def reward_errors(self, scores: Scores) -> None:
         if scores.first_error is not None:
             self.console.print(
-                f"[yellow]warning:[/] a reward call failed and scored task.reward_fallback instead (each step's "
-                f"reward_errors counts them; this is the first): {scores.first_error}"
+                "[yellow]warning:[/] a reward call failed; the run goes on (a failed call scores "
+                "task.reward_fallback and counts as not correct; each step's reward_errors counts them; this is "
+                f"the first): {scores.first_error}"
             )
 
     def updates(self, step: int, trained: dict[str, float]) -> None:
