@@ -583,8 +583,11 @@ PPO_KEYS = {
 @pytest.mark.slow
 def test_short_ppo_run_with_two_trainer_and_two_critic_ranks(tmp_path, tiny_model_path):
     """PPO end to end: critic values, GAE, a KL reward penalty to the reference model, both
-    models sharded over 2 ranks, the critic's state in the checkpoint."""
-    proc = _run_app(
+    models sharded over 2 ranks, the critic's state in the checkpoint; a copy cut back to its
+    step-2 checkpoint and resumed redoes the last step exactly (critic included)."""
+    import shutil
+
+    common = [
         "algo=ppo",
         "steps=3",
         "eval_every=0",
@@ -595,9 +598,9 @@ def test_short_ppo_run_with_two_trainer_and_two_critic_ranks(tmp_path, tiny_mode
         "algo.critic.ranks=2",
         "checkpoint.every=2",
         f"output_dir={tmp_path}",
-        "run_name=ppo",
         f"weightsync.shm_root={tmp_path / 'shm'}",
-    )
+    ]
+    proc = _run_app(*common, "run_name=ppo")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "ppo"
     steps, final = _rows(out)
@@ -611,6 +614,18 @@ def test_short_ppo_run_with_two_trainer_and_two_critic_ranks(tmp_path, tiny_mode
     for step in ("step_2", "step_3"):
         critic = out / "checkpoints" / step / "critic"
         assert (critic / "trainer_state.json").is_file() and list(critic.glob("*.safetensors")), step
+
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut, ignore=shutil.ignore_patterns("step_3", "hf"))
+    proc = _run_app(*common, "run_name=cut", "resume=true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    resumed, resumed_final = _rows(cut)
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    for a, b in zip(steps, resumed, strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
+            k: v for k, v in b.items() if k not in TIMING_KEYS
+        }
+    assert resumed_final == final
 
 
 @pytest.mark.slow
