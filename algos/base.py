@@ -18,13 +18,11 @@ The controller loop and the actors see only this, so adding an algorithm touches
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from algos.policy_loss import KL_ESTIMATORS, LOSS_AGGREGATIONS, PolicyLoss
+from validation.plugins import available, plugin
 
 KL_MODES = ("loss", "reward")
 REFERENCE_DEVICES = ("auto", "cpu", "gpu")
@@ -102,16 +100,10 @@ class Algorithm(Protocol):
 
 
 def available_algorithms() -> list[str]:
-    """The modules in ``algos/`` that define an ``Algorithm``."""
-    return [
-        m.name
-        for m in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name)
-        if m.name != "base" and hasattr(importlib.import_module(f"algos.{m.name}"), "Algorithm")
-    ]
+    """The modules in ``algos/`` that define ``Algorithm``."""
+    return available("algos", "Algorithm")
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
     """``algos.<name>.Algorithm``; a ``ValueError`` naming the ones there are for another name."""
-    if name not in available_algorithms():
-        raise ValueError(f"algo.name={name!r} is not an algorithm; available: {available_algorithms()}")
-    return importlib.import_module(f"algos.{name}").Algorithm
+    return plugin("algos", "Algorithm", "algo.name", name)

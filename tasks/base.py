@@ -24,12 +24,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-import pkgutil
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
+
+from validation.plugins import available, plugin
 
 
 @dataclass(frozen=True)
@@ -141,16 +141,10 @@ def load_reward_fn(path: str) -> Callable[..., float]:
 
 
 def available_tasks() -> list[str]:
-    """The modules in ``tasks/`` that define a ``Task``."""
-    return [
-        m.name
-        for m in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name)
-        if m.name != "base" and hasattr(importlib.import_module(f"tasks.{m.name}"), "Task")
-    ]
+    """The modules in ``tasks/`` that define ``Task``."""
+    return available("tasks", "Task")
 
 
 def task_class(name: str) -> type[Task]:
     """``tasks.<name>.Task``; a ``ValueError`` naming the ones there are for another name."""
-    if name not in available_tasks():
-        raise ValueError(f"task.name={name!r} is not a task; available: {available_tasks()}")
-    return importlib.import_module(f"tasks.{name}").Task
+    return plugin("tasks", "Task", "task.name", name)

@@ -14,7 +14,7 @@ def test_prompt_and_answer_format():
 
 def test_tasks_are_found_by_name():
     assert {"arithmetic", "dataset"} <= set(available_tasks())
-    with pytest.raises(ValueError, match=r"task.name='nope' is not a task; available: \["):
+    with pytest.raises(ValueError, match=r"task.name='nope': no module tasks/nope.py defines Task; available: \["):
         task_class("nope")
 
 
