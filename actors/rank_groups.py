@@ -152,5 +152,9 @@ class CriticGroup(RankGroup):
             actor_options=actor_options,
         )
 
+    def submit_values(self, episodes: list[Episode]) -> list[ray.ObjectRef]:
+        """Start every rank on ``episodes``' values (FSDP2 needs all of them); ``ray.get(refs)[0]`` are the values."""
+        return [r.values.remote(episodes) for r in self.ranks]
+
     def values(self, episodes: list[Episode]) -> list[list[float]]:
-        return self._all("values", episodes)[0]
+        return ray.get(self.submit_values(episodes))[0]

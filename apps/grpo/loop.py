@@ -54,6 +54,7 @@ def train(
                 row["eval_accuracy"] = state.eval_accuracy_start
             elif cfg.eval_every and step % cfg.eval_every == 0:
                 row["eval_accuracy"] = state.last_eval = evaluate(actors, task.heldout, health)
+                row["eval_s"] = time.perf_counter() - t0
 
             # 1-2. Prompts -> n completions each, with their logprobs and the policy version.
             problems = next(batches)
@@ -64,12 +65,14 @@ def train(
             gen_s = time.perf_counter() - t
 
             # 3. Rewards.
+            t = time.perf_counter()
             scores = score(actors, problems, generation.samples)
+            reward_s = time.perf_counter() - t
             health.reward_errors(scores)
 
             # 4. Experience: what the algorithm's actors add, then its advantages (and returns).
             episodes = to_episodes(generation, scores.rewards)
-            add_reference_and_values(actors, episodes)
+            row.update(add_reference_and_values(actors, episodes))
             row.update(algorithm.make_experience(episodes))
 
             # 5. Through the replay buffer, which drops episodes older than max_staleness.
@@ -92,6 +95,9 @@ def train(
                 **trained,
                 skipped_updates=health.skipped,
                 policy_version=generation.version,
+                gen_s=gen_s,
+                reward_s=reward_s,
+                completions_per_s=len(episodes) / gen_s,
                 gen_tokens_per_s=gen_tokens / gen_s,
                 completion_len_mean=gen_tokens / len(episodes),
                 step_s=time.perf_counter() - t0,
@@ -136,31 +142,56 @@ def to_episodes(generation, rewards: list[float]) -> list[Episode]:
     ]
 
 
-def add_reference_and_values(actors: Actors, episodes: list[Episode]) -> None:
+def add_reference_and_values(actors: Actors, episodes: list[Episode]) -> dict[str, float]:
     """The reference model's logprobs and the critic's values, where the algorithm uses them
-    (the two actors compute at the same time)."""
-    ref = actors.reference.logprobs.remote(episodes) if actors.reference is not None else None
-    values = actors.critic.values(episodes) if actors.critic is not None else None
-    if ref is not None:
-        for e, lp in zip(episodes, ray.get(ref), strict=True):
-            e.ref_logprobs = lp
-    if values is not None:
-        for e, v in zip(episodes, values, strict=True):
-            e.values = v
+    (the two compute at the same time). Returns ``reference_s`` / ``critic_s`` for those that ran."""
+    pending = {}
+    if actors.reference is not None:
+        pending["reference"] = [actors.reference.logprobs.remote(episodes)]
+    if actors.critic is not None:
+        pending["critic"] = actors.critic.submit_values(episodes)
+    results, seconds = gather_timed(pending)
+    for e, lp in zip(episodes, results.get("reference", [[None] * len(episodes)])[0], strict=True):
+        e.ref_logprobs = lp
+    for e, v in zip(episodes, results.get("critic", [[None] * len(episodes)])[0], strict=True):
+        e.values = v
+    return seconds
 
 
 def train_step(actors: Actors, batch: list[Episode]) -> dict[str, float]:
     """One optimizer step of the policy's trainer and, at the same time, of the critic. The
-    trainer's metrics as they are; the critic's as ``value_loss``, ``value_*`` and ``critic_*``."""
-    policy = actors.trainer.submit_train_step(batch)
-    critic = actors.critic.submit_train_step(batch) if actors.critic is not None else None
-    metrics = ray.get(policy)[0]
-    metrics.pop("train_tokens")
-    if critic is not None:
-        c = ray.get(critic)[0]
+    trainer's metrics, with ``train_s`` and ``train_tokens_per_s``; the critic's as
+    ``value_loss``, ``value_*`` and ``critic_*`` (its time: ``critic_train_s``)."""
+    pending = {"train": actors.trainer.submit_train_step(batch)}
+    if actors.critic is not None:
+        pending["critic_train"] = actors.critic.submit_train_step(batch)
+    results, seconds = gather_timed(pending)
+    metrics = results["train"][0]
+    metrics["train_s"] = seconds["train_s"]
+    metrics["train_tokens_per_s"] = metrics.pop("train_tokens") / seconds["train_s"]
+    if "critic_train" in results:
+        c = results["critic_train"][0]
+        c.pop("train_tokens")
         metrics["value_loss"] = c.pop("loss")
-        metrics.update({k if k.startswith("value_") else f"critic_{k}": v for k, v in c.items() if k != "train_tokens"})
+        metrics.update({k if k.startswith("value_") else f"critic_{k}": v for k, v in c.items()})
+        metrics["critic_train_s"] = seconds["critic_train_s"]
     return metrics
+
+
+def gather_timed(pending: dict[str, list[ray.ObjectRef]]) -> tuple[dict[str, list], dict[str, float]]:
+    """Every named group of refs' results, and ``<name>_s``: the seconds from now until its last
+    ref was done (seen from here, so each group's own time even while they run side by side)."""
+    start = time.perf_counter()
+    names = {ref: name for name, refs in pending.items() for ref in refs}
+    left = {name: len(refs) for name, refs in pending.items()}
+    seconds, waiting = {}, list(names)
+    while waiting:
+        done, waiting = ray.wait(waiting, num_returns=1)
+        for ref in done:
+            left[names[ref]] -= 1
+            if left[names[ref]] == 0:
+                seconds[f"{names[ref]}_s"] = time.perf_counter() - start
+    return {name: ray.get(refs) for name, refs in pending.items()}, seconds
 
 
 def sync_weights(actors: Actors, version: int) -> dict:
