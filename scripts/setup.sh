@@ -29,7 +29,7 @@ if [ ! -f "$STAMP" ]; then
         # torch 2.13.0+cpu they break `import transformers`. Nothing here needs them.
         .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
-    .venv/bin/python -c "import transformers, vllm, ray, hydra, redis, rich, safetensors, pyarrow, math_verify" \
+    .venv/bin/python -c "import transformers, vllm, ray, hydra, redis, rich, safetensors, pyarrow, math_verify, matplotlib" \
         || { echo "setup: the environment does not import; see the error above" >&2; exit 1; }
     rm -f .venv/.setup-*
     touch "$STAMP"

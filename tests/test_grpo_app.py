@@ -31,6 +31,13 @@ REQUIRED = {
     "weight_sync_s",
     "step_s",
     "gen_tokens_per_s",
+    "gen_s",
+    "reward_s",
+    "train_s",
+    "push_s",
+    "update_s",
+    "completions_per_s",
+    "train_tokens_per_s",
 }
 
 
@@ -286,10 +293,16 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
         assert r["logprob_diff_mean"] < 1e-3  # the policy serves exactly the trainer's weights
         assert r["policy_version"] == r["step"]  # each step's rollouts come from the previous update
         assert 0.0 <= r["reward_mean"] <= 1.0
+        phases = [r[k] for k in ("eval_s", "gen_s", "reward_s", "reference_s", "train_s", "weight_sync_s") if k in r]
+        assert all(p > 0 for p in phases) and sum(phases) <= r["step_s"]  # the phases run one after another
+        assert r["completions_per_s"] == pytest.approx(8 * 4 / r["gen_s"]) and "reference_s" in r
     assert "eval_accuracy" in steps[0] and "eval_accuracy" in steps[2] and "eval_accuracy" not in steps[1]
+    assert "eval_s" in steps[2] and "eval_s" not in steps[1]
     assert final["final"] is True and final["policy_version"] == 3 and 0.0 <= final["eval_accuracy"] <= 1.0
     assert steps[0]["kl"] < 1e-6 < steps[2]["kl"]  # policy == reference at first, then they part
     assert "eval accuracy:" in proc.stdout
+    assert (out / "report.png").stat().st_size > 10_000 and "held-out accuracy" in (out / "report.md").read_text()
+    assert f"report: {out / 'report.png'}" in proc.stdout
     assert f"removed 3.0 MiB of shared memory left by an earlier run ({shm / 'ws-short'})" in proc.stdout
 
     resolved = (out / "config.yaml").read_text()
@@ -445,7 +458,16 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, setup, overrides
         assert (run / "metrics.jsonl").read_text() == "keep\n"  # nothing of the old run is touched
 
 
-TIMING_KEYS = {"step_s", "weight_sync_s", "push_s", "update_s", "gen_tokens_per_s"}
+TIMING_KEYS = {
+    "step_s",
+    "weight_sync_s",
+    "push_s",
+    "update_s",
+    "gen_tokens_per_s",
+    "completions_per_s",
+    "train_tokens_per_s",
+    "eval_s",
+} | {f"{phase}_s" for phase in ("gen", "reward", "reference", "critic", "train", "critic_train")}
 
 
 @pytest.mark.slow
@@ -577,6 +599,9 @@ PPO_KEYS = {
     "advantage_std",
     "critic_grad_norm",
     "critic_lr",
+    "critic_s",
+    "critic_train_s",
+    "reference_s",
 }
 
 

@@ -269,7 +269,19 @@ def run(hydra_cfg, console: Console) -> dict:
         state = resume_from_checkpoint(actors, out_dir, console) if cfg.resume else None
         result = train(cfg, algorithm, task, actors, out_dir, console, resume=state)
         result["hf_dir"] = actors.trainer.export_hf(str((out_dir / "hf").resolve()))
+    _write_report(out_dir, console)
     return result
+
+
+def _write_report(out_dir: Path, console: Console) -> None:
+    from apps.report.report import write_report
+
+    try:
+        png, md = write_report(out_dir)
+    except Exception as e:  # noqa: BLE001 (the trained model matters more; `python -m apps.report` can retry)
+        console.print(f"[yellow]warning:[/] could not write the run's report ({type(e).__name__}: {e})")
+        return
+    console.print(f"report: {png} and {md}")
 
 
 def _remove_if_no_step_finished(out_dir: Path) -> None:
