@@ -32,3 +32,9 @@ class PolicyConfig:
                 f"less than policy.max_model_len={self.max_model_len}",
             ),
         ]
+
+    def engine_dtype(self, use_cuda: bool) -> str:
+        """``dtype`` with ``auto`` resolved: bfloat16 on GPUs, float32 on CPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if use_cuda else "float32"

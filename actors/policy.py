@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import ray
 
@@ -27,6 +28,12 @@ class Sample:
     logprobs: list[float]  # of each sampled token, under the policy that sampled it
     text: str
     finished: bool  # stopped on EOS (not on the length limit)
+
+
+class Completion(NamedTuple):
+    text: str
+    finished: bool  # stopped on EOS (not on the length limit)
+    tokens: int  # generated tokens
 
 
 @dataclass
@@ -135,15 +142,17 @@ class Policy:
             samples.append(group)
         return Generation([list(o.prompt_token_ids) for o in outputs], samples, self.version)
 
-    def greedy(self, prompts: list[str], max_tokens: int | None = None) -> list[tuple[str, bool]]:
-        """Greedy completion text of each prompt (at most ``max_tokens``, default
-        ``policy.max_tokens``), and whether it ended on EOS."""
+    def greedy(self, prompts: list[str], max_tokens: int | None = None) -> list[Completion]:
+        """Greedy completion of each prompt (at most ``max_tokens``, default ``policy.max_tokens``)."""
         self._check_weights()
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens or self.config.max_tokens)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in outputs]
+        return [
+            Completion(o.outputs[0].text, o.outputs[0].finish_reason == "stop", len(o.outputs[0].token_ids))
+            for o in outputs
+        ]
 
     def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float | None]]:
         """Log-probability of each given token under the live weights (None for the first)."""

@@ -19,6 +19,7 @@ from omegaconf.errors import ValidationError
 
 from actors.engine_shm import IPC_PREFIX
 from apps.grpo.config import ConfigError, check_override_keys, load_config, register
+from tests.tracker_files import history, tensorboard_scalars
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRED = {
@@ -282,6 +283,8 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
         f"output_dir={tmp_path}",
         "run_name=short",
         f"weightsync.shm_root={shm}",
+        "logger=[tensorboard,wandb]",
+        "wandb.mode=offline",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "short"
@@ -305,8 +308,27 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
     assert f"report: {out / 'report.png'}" in proc.stdout
     assert f"removed 3.0 MiB of shared memory left by an earlier run ({shm / 'ws-short'})" in proc.stdout
 
+    # TensorBoard and W&B (offline) got every step's numbers, the final eval included.
+    board = tensorboard_scalars(out / "tensorboard")
+    assert [v for _, v in board["reward_mean"]] == pytest.approx([r["reward_mean"] for r in steps])
+    assert [s for s, _ in board["eval_accuracy"]] == [0, 2, 3] and board["eval_accuracy"][-1][1] == pytest.approx(
+        final["eval_accuracy"]
+    )
+    (wandb_run,) = (out / "wandb").glob("offline-run-*")
+    logged = history(wandb_run)
+    assert [r["_step"] for r in logged] == [0, 1, 2, 3]
+    assert [r["gen_s"] for r in logged[:3]] == pytest.approx([r["gen_s"] for r in steps])
+
     resolved = (out / "config.yaml").read_text()
     assert f"path: {tiny_model_path}" in resolved and "kl_coef: 0.05" in resolved
+
+    # apps.eval on the export, with vLLM and the task's verdicts, gives the run's final accuracy.
+    proc = subprocess.run(
+        [sys.executable, "-m", "apps.eval", f"model.path={out / 'hf'}"], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    correct = round(final["eval_accuracy"] * 500)
+    assert f"held-out accuracy {final['eval_accuracy']:.3f} ({correct}/500 problems)" in proc.stdout
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -540,6 +562,7 @@ def test_two_rank_run_resumes_like_an_uninterrupted_run(tmp_path, tiny_model_pat
         f"output_dir={tmp_path}",
         f"weightsync.shm_root={tmp_path / 'shm'}",
         f"redis.url={redis_url}",
+        "logger=tensorboard",
     ]
     proc = _run_app(*common, "run_name=full")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -570,6 +593,9 @@ def test_two_rank_run_resumes_like_an_uninterrupted_run(tmp_path, tiny_model_pat
             k: v for k, v in b.items() if k not in TIMING_KEYS
         }
     assert not (cut / "checkpoints" / ".step_3.tmp").exists()  # the unfinished save was cleared
+    # TensorBoard shows the redone steps once, with the resumed run's values.
+    board = tensorboard_scalars(cut / "tensorboard")
+    assert board["loss"] == [(r["step"], pytest.approx(r["loss"])) for r in resumed[:-1]]
 
     from safetensors.torch import load_file
 

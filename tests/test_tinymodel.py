@@ -66,7 +66,7 @@ def test_vllm_serves_the_built_model_like_transformers(policy, tiny_model_path, 
         problem(a, op, b) for a, op, b in [(12, "+", 7), (3, "-", 40), (99, "+", 99), (50, "-", 5), (0, "+", 0)]
     ]
     vllm_out = ray_session.get(policy.greedy.remote([p.prompt for p in problems], 6))
-    for p, (text, _finished) in zip(problems, vllm_out):
+    for p, (text, _finished, _tokens) in zip(problems, vllm_out):
         ids = tok(p.prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)

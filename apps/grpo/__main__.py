@@ -24,43 +24,11 @@ from rich.console import Console
 
 from apps.grpo import interrupts
 from apps.grpo.config import ConfigError, RunConfig, check_override_keys, load_config, register
+from apps.grpo.inputs import load_task, resolve_model_path
+from apps.grpo.trackers import logger_names, open_trackers
 
 register()
 log = logging.getLogger("apps.grpo")
-
-
-def resolve_model_path(cfg: RunConfig) -> str:
-    """``model.path``, checked, or the embedded tiny model's (built on first use), and checked
-    against the policy's settings: ``ConfigError`` names what does not fit."""
-    from actors.modeling import check_model_dir, check_policy_fits
-    from tinymodel.build import TinyModelRecipe, ensure_tiny_model
-
-    if cfg.model.path is None:
-        path = str(ensure_tiny_model(TinyModelRecipe.for_task(cfg.task, cfg.seed), cfg.model.tiny_cache_dir))
-    else:
-        try:
-            path = str(check_model_dir(cfg.model.path))
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-    try:
-        check_policy_fits(path, cfg.policy.tp, cfg.policy.max_model_len)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    return path
-
-
-def load_task(cfg: RunConfig, tokenizer):
-    """The task's data and scorer, and the user's reward function checked (``ConfigError`` for
-    bad data, a bad file or a reward function that cannot be used)."""
-    from tasks.base import load_reward_fn, task_class
-
-    try:
-        task = task_class(cfg.task.name)(cfg.task, cfg.seed, tokenizer)
-        if cfg.task.reward_fn:
-            load_reward_fn(cfg.task.reward_fn)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    return task
 
 
 def check_data_plane_room(
@@ -95,6 +63,14 @@ def check_data_plane_room(
         return
     root = cfg.weightsync.shm_root
     check_shm_room(root, free_bytes(root), ranks, file_bytes, keep_last, delta)
+
+
+def resume_step(out_dir: Path, cfg) -> int:
+    """The step a run starts at: 0, or for ``resume=true`` the newest checkpoint's next step."""
+    from apps.grpo.checkpoints import LoopState
+    from checkpointing.folders import newest_checkpoint
+
+    return LoopState.load(newest_checkpoint(out_dir / "checkpoints")[1]).step if cfg.resume else 0
 
 
 def check_output_dir(cfg) -> Path:
@@ -239,7 +215,7 @@ def run(hydra_cfg, console: Console) -> dict:
         # GPUs or not is the cluster's answer, not this host's: a cluster's head node, where the
         # launcher usually runs, often has no GPU while its workers do.
         use_cuda = cluster_gpu_count() > 0
-        policy_dtype = cfg.policy.dtype if cfg.policy.dtype != "auto" else ("bfloat16" if use_cuda else "float32")
+        policy_dtype = cfg.policy.engine_dtype(use_cuda)
         critic_ranks = cfg.algo.critic.ranks if algorithm.uses_critic else 0
         placement = plan_placement(cfg, use_cuda, algorithm.uses_reference, critic_ranks)
         for notice in placement.notices:
@@ -261,13 +237,17 @@ def run(hydra_cfg, console: Console) -> dict:
         # Before ray.shutdown (after the policy's close): the run's shared memory on other nodes.
         writers: list = []
         stack.callback(_clean_other_nodes, writers, shm_dir, engine_record, console)
+        trackers = open_trackers(
+            logger_names(cfg.logger), out_dir, cfg.run_name, cfg.wandb, resolved, resume_step(out_dir, cfg), console
+        )
+        stack.callback(trackers.close)
         console.print("starting actors (the vLLM engine takes a minute on CPU)...")
         actors = start_actors(
             cfg, algorithm, task.scorer, model_path, redis_url, policy_dtype, use_cuda, placement, writers
         )
         stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
         state = resume_from_checkpoint(actors, out_dir, console) if cfg.resume else None
-        result = train(cfg, algorithm, task, actors, out_dir, console, resume=state)
+        result = train(cfg, algorithm, task, actors, out_dir, console, resume=state, trackers=trackers)
         result["hf_dir"] = actors.trainer.export_hf(str((out_dir / "hf").resolve()))
     _write_report(out_dir, console)
     return result

@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from actors.config import PolicyConfig
 from algos.base import AlgoConfig, algorithm_class
 from algos.train_config import TrainerConfig
+from apps.grpo.trackers import WandbConfig, logger_names
 from tasks.base import TaskConfig, task_class
 from validation.config import ConfigError, check_config
 from weightsync.config import WeightSyncConfig
@@ -85,6 +86,8 @@ class RunConfig:
     ray: RayConfig
     weightsync: WeightSyncConfig
     checkpoint: CheckpointConfig
+    logger: Any  # [], a name or a list of names (apps/grpo/trackers.py)
+    wandb: WandbConfig
 
     def rules(self) -> list[tuple[bool, str, str]]:
         return [
@@ -133,6 +136,7 @@ def load_config(cfg: DictConfig) -> RunConfig:
         assert isinstance(groups[group], base)
     run = dataclasses.replace(_typed(cfg, RunConfig, ""), **groups)
     check_config(run)
+    logger_names(run.logger)
     return run
 
 

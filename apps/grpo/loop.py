@@ -17,6 +17,7 @@ from apps.grpo.checkpoints import Checkpointer, LoopState
 from apps.grpo.config import RunConfig
 from apps.grpo.run_log import RunLog
 from apps.grpo.start import Actors
+from apps.grpo.trackers import Trackers
 from tasks.base import Problem, Task
 
 
@@ -32,6 +33,7 @@ def train(
     out_dir: Path,
     console,
     resume: LoopState | None = None,
+    trackers: Trackers | None = None,
 ) -> dict:
     """Train up to step ``cfg.steps`` (from ``resume``'s step, else from 0 after a first eval);
     one row per step in ``metrics.jsonl``. Returns the held-out accuracy at both ends."""
@@ -45,7 +47,7 @@ def train(
     batches = task.train_batches(cfg.prompts_per_step, start=state.data_cursor)
     checkpointer = Checkpointer(cfg.checkpoint, out_dir, actors, console)
     title = cfg.algo.name.upper()
-    with RunLog(out_dir, console, title, cfg.steps, state.step, state.last_eval) as log:
+    with RunLog(out_dir, console, title, cfg.steps, state.step, state.last_eval, trackers) as log:
         for step in range(state.step, cfg.steps):
             interrupts.check()  # a Ctrl-C that a library call swallowed during the last step
             t0 = time.perf_counter()
@@ -121,7 +123,7 @@ def train(
 def evaluate(actors: Actors, problems: list[Problem], health: TrainingHealth) -> float:
     """Greedy accuracy on ``problems``, by the task's own verdict (no reward is computed)."""
     outputs = ray.get(actors.policy.greedy.remote([p.prompt for p in problems]))
-    completions, finished = [t for t, _ in outputs], [f for _, f in outputs]
+    completions, finished = [c.text for c in outputs], [c.finished for c in outputs]
     scores: Scores = ray.get(actors.reward.score.remote(problems, completions, finished, with_rewards=False))
     health.reward_errors(scores)
     return sum(scores.correct) / len(problems)

@@ -32,13 +32,17 @@ def phase_times(row: dict) -> str:
 
 
 class RunLog:
-    """Appends one JSON row per step to ``<out>/metrics.jsonl`` and shows progress: a live bar on
+    """Appends one JSON row per step to ``<out>/metrics.jsonl`` (and hands it to ``trackers``: TensorBoard,
+    W&B) and shows progress: a live bar on
     a terminal (ETA, reward, eval accuracy, KL, the last step's phase times), else (CI, a log
     file) a line every 10 steps. A resumed run first drops the rows
     of the steps it will redo. Use as a context manager."""
 
-    def __init__(self, out_dir: Path, console, title: str, steps: int, start: int, last_eval: float) -> None:
+    def __init__(
+        self, out_dir: Path, console, title: str, steps: int, start: int, last_eval: float, trackers=None
+    ) -> None:
         self.path = out_dir / "metrics.jsonl"
+        self.trackers = trackers
         self.console = console
         self.steps = steps
         _keep_rows_before(self.path, start)
@@ -72,6 +76,8 @@ class RunLog:
     def _write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        if self.trackers is not None:
+            self.trackers.log(row)
 
     def step(self, row: dict) -> None:
         """Keep a finished step's row and show it."""
