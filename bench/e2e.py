@@ -1,0 +1,270 @@
+"""End-to-end benchmark: ``python -m bench.e2e [--steps 150] [--systems rlsys,trl]``.
+
+Our GRPO (``python -m apps.grpo``) against TRL's ``GRPOTrainer`` (``bench/trl_grpo.py``), one
+after the other in one run on this machine, on the embedded tiny model and the arithmetic task
+with the same settings: prompts per step, group size, max tokens, temperature, learning rate
+(constant), gradient clipping, loss aggregation (``token_mean`` = TRL's ``dapo``), clip epsilon,
+group-std advantage scaling, no KL, one optimizer step per generated batch, the same prompts in
+the same order, the same number of steps. Each system runs in a process of its own; for each:
+
+- ``median_step_s``: median wall seconds of a training step (ours: ``step_s`` of
+  ``metrics.jsonl``, which includes the weight sync; TRL: its trainer's step, generation included);
+- ``completions_per_s``: completions per step / ``median_step_s``;
+- ``wall_s``: the whole process, start-up included (ours: Ray, Redis and the vLLM engine; TRL:
+  loading the model), and ``train_s``: the training steps alone;
+- ``heldout_accuracy``: greedy accuracy of the final model on the task's held-out problems,
+  scored for both by the same code (``apps.eval``: vLLM greedy, the task's verdict);
+- ``peak_rss_mib``: the peak of the summed RSS of the process and all its children (ours: Ray's
+  processes, the vLLM engine, Redis), sampled every 0.2 s;
+- ours also: the median of each phase (``gen_s``, ``reward_s``, ``train_s``, ``push_s``,
+  ``update_s``), which says where a step's time goes.
+
+Needs the ``bench`` extra (TRL): ``pip install -e '.[bench]'``. Prints a table and writes
+``bench/results/e2e.json`` (a list, one object per system and scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "e2e.json"
+PHASES = ("gen_s", "reward_s", "train_s", "push_s", "update_s")
+TRL_LOSS = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum_norm": "dr_grpo"}
+
+
+class PeakRss:
+    """The peak summed RSS of a process and its descendants, sampled in a thread."""
+
+    def __init__(self, pid: int, every_s: float = 0.2) -> None:
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            total = 0
+            for p in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    total += p.memory_info().rss
+            self.peak = max(self.peak, total)
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def run_measured(cmd: list[str], log: Path) -> tuple[float, int]:
+    """Run ``cmd`` from the repository root, its output into ``log``; returns its wall seconds
+    and peak RSS in bytes. A failed command stops the benchmark, naming its log."""
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"}
+        )
+        rss = PeakRss(proc.pid)
+        code = proc.wait()
+    peak = rss.stop()
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-20:])
+        raise SystemExit(f"bench.e2e: {' '.join(cmd[:3])} failed (exit {code}); its log: {log}\n{tail}")
+    return time.perf_counter() - t0, peak
+
+
+@dataclass
+class Scale:
+    name: str
+    steps: int
+    settings: list[str]  # apps.grpo overrides beyond the defaults
+    accuracy: bool  # held-out accuracy means something (a trained model, not random weights)
+
+    def overrides(self) -> list[str]:
+        return [f"steps={self.steps}", "eval_every=0", "checkpoint.every=0", *self.settings]
+
+
+def scales(names: list[str], steps: int, steps_136m: int) -> list[Scale]:
+    """``tiny``: the default run's settings (64 prompts x 8 samples, <= 6 tokens, lr 2e-4,
+    temperature 1, no KL). ``136m``: bench.rollout's synthetic Qwen3-shaped model (random
+    weights, EOS rare, so completions run to the limit on both sides), 8 prompts x 4 samples,
+    16 tokens: throughput only."""
+    out = []
+    for name in names:
+        if name == "tiny":
+            out.append(Scale("tiny", steps, [], True))
+        elif name == "136m":
+            from bench.rollout import synthetic_136m_dir
+
+            model = f"model.path={synthetic_136m_dir()}"
+            out.append(
+                Scale(
+                    "136m",
+                    steps_136m,
+                    [model, "prompts_per_step=8", "algo.group_size=4", "policy.max_tokens=16"],
+                    False,
+                )
+            )
+        else:
+            raise SystemExit(f"bench.e2e: unknown scale {name!r}; scales: tiny, 136m")
+    return out
+
+
+def run_ours(work: Path, scale: Scale) -> dict:
+    out = work / "outputs"
+    name = f"rlsys-{scale.name}"
+    wall_s, peak = run_measured(
+        [sys.executable, "-m", "apps.grpo", *scale.overrides(), f"output_dir={out}", f"run_name={name}"],
+        work / f"{name}.log",
+    )
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    steps_rows = [r for r in rows if not r.get("final")]
+    step_s = [r["step_s"] for r in steps_rows]
+    return {
+        "mode": "sync, vLLM generation",
+        "step_s": step_s,
+        "completion_len_mean": statistics.mean(r["completion_len_mean"] for r in steps_rows),
+        "phases": {k: statistics.median(r[k] for r in steps_rows) for k in PHASES},
+        "wall_s": wall_s,
+        "train_s": sum(step_s),
+        "peak_rss": peak,
+        "model_dir": out / name / "hf",
+    }
+
+
+def run_trl(work: Path, scale: Scale, model_path: str) -> dict:
+    from apps.grpo.config import compose_config
+
+    cfg = compose_config(*scale.overrides())
+    name = f"trl-{scale.name}"
+    settings = {
+        "output_dir": str(work / name),
+        "model_path": model_path,
+        "overrides": scale.overrides(),
+        "threads": os.cpu_count(),
+        "loss_type": TRL_LOSS[cfg.algo.loss_aggregation],
+    }
+    (work / f"{name}.json").write_text(json.dumps(settings))
+    cmd = [sys.executable, "-m", "bench.trl_grpo", str(work / f"{name}.json")]
+    wall_s, peak = run_measured(cmd, work / f"{name}.log")
+    times = json.loads((work / name / "steps.json").read_text())
+    return {
+        "mode": "GRPOTrainer, transformers generate (use_vllm=False), one process",
+        "step_s": times["step_s"],
+        "completion_len_mean": times["completion_len_mean"],
+        "phases": {},
+        "wall_s": wall_s,
+        "train_s": times["train_s"],
+        "peak_rss": peak,
+        "model_dir": work / name / "hf",
+    }
+
+
+def heldout_accuracy(model_dir: Path) -> float:
+    """Greedy held-out accuracy by ``apps.eval``: the same code scores every system."""
+    from rich.console import Console
+
+    from apps.eval.__main__ import evaluate_model
+    from apps.grpo.config import compose_config
+
+    quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115
+    return evaluate_model(compose_config(f"model.path={model_dir}"), quiet)["accuracy"]
+
+
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["system", "scale", "median_step_s", "completions_per_s", "completion_len_mean", "train_s", "wall_s"]
+    cols += ["heldout_accuracy", "peak_rss_mib"]
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    for r in rows:
+        lines.append(" | ".join(_cell(r[c]) for c in cols))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scales", default="tiny,136m")
+    parser.add_argument("--steps", type=int, default=150, help="steps at the tiny scale")
+    parser.add_argument("--steps-136m", type=int, default=6)
+    parser.add_argument("--systems", default="rlsys,trl")
+    parser.add_argument("--work", default=str(REPO / "outputs" / "bench-e2e"), help="logs and models (replaced)")
+    args = parser.parse_args(argv)
+    systems = args.systems.split(",")
+    if "trl" in systems:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            print("bench.e2e needs TRL: pip install -e '.[bench]'", file=sys.stderr)
+            return 2
+    from apps.grpo.config import compose_config
+    from apps.grpo.inputs import resolve_model_path
+
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    rows = []
+    for scale in scales(args.scales.split(","), args.steps, args.steps_136m):
+        cfg = compose_config(*scale.overrides())
+        model_path = resolve_model_path(cfg)  # the tiny model is built once, untimed
+        per_step = cfg.prompts_per_step * cfg.algo.group_size
+        for system in systems:
+            print(f"bench.e2e: {system} at {scale.name} scale, {scale.steps} steps...", flush=True)
+            result = run_ours(work, scale) if system == "rlsys" else run_trl(work, scale, model_path)
+            median = statistics.median(result["step_s"])
+            rows.append(
+                {
+                    "system": system,
+                    "scale": scale.name,
+                    "mode": result["mode"],
+                    "steps": scale.steps,
+                    "completions_per_step": per_step,
+                    "max_tokens": cfg.policy.max_tokens,
+                    "completion_len_mean": result["completion_len_mean"],
+                    "median_step_s": median,
+                    "completions_per_s": per_step / median,
+                    "train_s": result["train_s"],
+                    "wall_s": result["wall_s"],
+                    "heldout_accuracy": heldout_accuracy(result["model_dir"]) if scale.accuracy else None,
+                    "peak_rss_mib": round(result["peak_rss"] / 2**20),
+                    "median_phase_s": result["phases"],
+                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                }
+            )
+    print(table(rows))
+    for r in rows:
+        if r["median_phase_s"]:
+            print(
+                f"{r['system']} median phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["median_phase_s"].items())
+            )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
