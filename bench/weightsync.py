@@ -107,16 +107,13 @@ DELTA_WARMUP_VERSIONS = 3
 RESULTS = Path(__file__).resolve().parent / "results" / "weightsync.json"
 
 
-def build_synthetic_model(size: str, dtype: torch.dtype, root: Path) -> Path:
-    """A Qwen3 Hugging Face directory with random weights (names and shapes from transformers)."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def qwen3_config(shape: tuple[int, ...], dtype: torch.dtype = torch.float32):
+    """The ``Qwen3Config`` of a shape ``(hidden, layers, intermediate, vocab, heads, kv_heads,
+    head_dim)``, with untied embeddings."""
+    from transformers import Qwen3Config
 
-    from tinymodel.build import build_tokenizer
-
-    hidden, layers, inter, vocab, heads, kv, head_dim = SIZES[size]
-    out = root / size
-    config = Qwen3Config(
+    hidden, layers, inter, vocab, heads, kv, head_dim = shape
+    return Qwen3Config(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=inter,
@@ -129,6 +126,18 @@ def build_synthetic_model(size: str, dtype: torch.dtype, root: Path) -> Path:
         torch_dtype=str(dtype).removeprefix("torch."),
         architectures=["Qwen3ForCausalLM"],  # without it vLLM serves the model as a pooling model
     )
+
+
+def build_synthetic_model(size: str, dtype: torch.dtype, root: Path, shape: tuple[int, ...] | None = None) -> Path:
+    """A Qwen3 Hugging Face directory ``root/size`` with random weights (names and shapes from
+    transformers), of ``shape`` (default: ``SIZES[size]``)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3ForCausalLM
+
+    from tinymodel.build import build_tokenizer
+
+    out = root / size
+    config = qwen3_config(shape or SIZES[size], dtype)
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Qwen3ForCausalLM(config).state_dict().items()}
     g = torch.Generator().manual_seed(0)
