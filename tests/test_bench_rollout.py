@@ -11,6 +11,7 @@ from bench.rollout import (
     count_generated,
     kv_cache_mib,
     matmul_flops,
+    omp_binding,
     parameter_counts,
     scales_for,
 )
@@ -54,3 +55,10 @@ def test_kv_cache_holds_whole_blocks_of_the_batch():
     config = qwen3_config(SHAPE_136M)
     per_token = 12 * 2 * 4 * 64 * 4
     assert kv_cache_mib(config, sequences=128, model_len=64) >= 128 * 128 * per_token / 2**20
+
+
+def test_omp_binding_all_is_every_core_auto_is_vllms_own():
+    assert omp_binding("all", [0, 1]) == "0-1"
+    assert omp_binding("all", [0, 2, 3]) == "0,2,3"
+    assert omp_binding("auto", [0, 1]) is None
+    assert omp_binding("1", [0, 1]) == "1"
