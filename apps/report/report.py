@@ -137,6 +137,11 @@ def plot(run: Run, path: Path) -> Path:
     names = [n for n in [*PHASES, "other"] if any(p[n] for p in phases)]
     ax.stackplot(steps, *[[p[n] for p in phases] for n in names], labels=names)
     _label(ax, "Where each step's time went", "seconds")
+    totals = sorted(sum(p.values()) for p in phases)
+    typical = totals[int(0.95 * (len(totals) - 1))]
+    if totals[-1] > 2 * typical > 0:  # a slow first step (warm-up) or eval would flatten the rest
+        ax.set_ylim(0, 2 * typical)
+        ax.set_xlabel(f"step (the slowest, {totals[-1]:.1f} s, is cut off)")
 
     ax = axes[1, 2]
     if "value_loss" in run.rows[0]:
