@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.boxes import random_box
+from tests.chunks import CHUNK_CASES, CHUNK_IDS, random_chunk
 from tests.configs import make_pusher
 from weightsync.checksum import (
     _SEED_A,
@@ -16,6 +17,7 @@ from weightsync.checksum import (
     chunk_checksums,
     coefficients,
     region_hashes,
+    region_hashes_torch,
 )
 from weightsync.layout import Layout, plan_pieces
 from weightsync.reader import ChunkSource, read_box
@@ -56,6 +58,33 @@ def test_strided_tile_hashes_equal_contiguous_copies_and_the_formula(shape, dtyp
             assert alone.shape == (1, 1) and alone.item() == full[k, m].item()
             words = tile.contiguous().numpy().view(word_dtype)
             assert _as_unsigned(full[k, m].item()) == _reference_hash(words)
+
+
+@pytest.mark.parametrize(("sizes", "dtype"), CHUNK_CASES, ids=CHUNK_IDS)
+def test_torch_tile_hashes_equal_numpy_bit_for_bit(sizes, dtype):
+    """The device checksum (torch ops, here on the CPU) against the numpy one: the whole chunk,
+    random tile-aligned regions of it as strided views (what a reader hashes), a misaligned copy,
+    and small batches (the int64 temporaries cut into many pieces)."""
+    g = torch.Generator().manual_seed(len(sizes) * 1000 + sum(sizes))
+    rng = random.Random(sum(sizes))
+    t = random_chunk(list(sizes), dtype, g)
+    grid = Grid.for_chunk(list(sizes), t.element_size())
+    raw = t.reshape(-1).view(torch.uint8).view(grid.rows, grid.cols * grid.elem)
+    want = region_hashes(raw, grid)
+    assert torch.equal(region_hashes_torch(raw, grid), want)
+    assert torch.equal(region_hashes_torch(raw, grid, batch_bytes=1), want)
+    misaligned = torch.empty(raw.numel() + 1, dtype=torch.uint8)[1:].view(raw.shape)
+    misaligned.copy_(raw)
+    assert torch.equal(region_hashes_torch(misaligned, grid), want)
+    rows, bands = grid.shape
+    for _ in range(6):
+        k0 = rng.randrange(rows)
+        k1 = rng.randrange(k0 + 1, rows + 1)
+        m0 = rng.randrange(bands)
+        m1 = rng.randrange(m0 + 1, bands + 1)
+        (r0, r1), (c0, c1) = grid.span(((k0, k1), (m0, m1)))
+        region = raw[r0:r1, c0 * grid.elem : c1 * grid.elem]
+        assert torch.equal(region_hashes_torch(region, grid), want[k0:k1, m0:m1])
 
 
 def test_flipping_any_single_word_changes_the_tile_hash():

@@ -203,11 +203,66 @@ def region_hashes(raw: torch.Tensor, grid: Grid) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+_DEVICE_COEFFS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _device_coefficients(seed: int, n: int, device: torch.device) -> torch.Tensor:
+    have = _DEVICE_COEFFS.get((seed, device))
+    if have is None or have.numel() < n:
+        have = _DEVICE_COEFFS[(seed, device)] = coefficients(seed, n).to(device)
+    return have[:n]
+
+
+def region_hashes_torch(raw: torch.Tensor, grid: Grid, batch_bytes: int = 256 * 2**20) -> torch.Tensor:
+    """``region_hashes`` in torch ops on ``raw``'s own device (a GPU: no bytes leave it).
+
+    The same sums as the numpy path, bit for bit: the words are widened to int64 (sign
+    extended, as numpy's matmul does), multiplied by ``a`` and summed per row and band, then
+    weighted by ``b`` and summed per row block; int64 products and sums wrap mod 2^64 on every
+    device torch runs on, and a sum mod 2^64 does not depend on its order. CUDA has no integer
+    matmul, hence a multiply and a sum; ``batch_bytes`` bounds the int64 temporaries. Returns
+    a tensor on ``raw``'s device, shaped (row blocks, bands).
+    """
+    if raw.data_ptr() % grid.word or any(s % grid.word for s in raw.stride()[:-1]):
+        raw = raw.clone()
+    words = raw.view(_WORD_DTYPES[grid.word])
+    rows, cols = words.shape
+    band = grid.band_cols * grid.elem // grid.word
+    out = torch.empty((-(-rows // grid.block_rows), -(-cols // band)), dtype=torch.int64, device=raw.device)
+    a = _device_coefficients(_SEED_A, band, raw.device)
+    b = _device_coefficients(_SEED_B, grid.block_rows, raw.device)
+    full_cols = cols - cols % band
+    col_parts = [(0, full_cols, band), (full_cols, cols, cols - full_cols)]
+    per_batch = max(1, batch_bytes // (max(1, cols) * 8 * grid.block_rows)) * grid.block_rows
+    for r0 in range(0, rows, per_batch):
+        r1 = min(rows, r0 + per_batch)
+        tail = r1 - (r1 - r0) % grid.block_rows
+        for c0, c1, width in col_parts:
+            if c1 <= c0:
+                continue
+            for s0, s1 in ((r0, tail), (tail, r1)):
+                if s1 <= s0:
+                    continue
+                height = min(grid.block_rows, s1 - s0)
+                tiles = words[s0:s1, c0:c1].to(torch.int64).view(-1, height, (c1 - c0) // width, width)
+                per_row = (tiles * a[:width]).sum(-1)  # (blocks, height, bands), wrapping int64
+                out[s0 // grid.block_rows : -(-s1 // grid.block_rows), c0 // band : -(-c1 // band)] = (
+                    per_row * b[:height, None]
+                ).sum(1)
+    return out
+
+
+def tile_hashes(raw: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """``region_hashes`` where ``raw`` lives: numpy on the CPU, torch ops on a GPU."""
+    return region_hashes(raw, grid) if raw.device.type == "cpu" else region_hashes_torch(raw, grid)
+
+
 def chunk_checksums(tensor: torch.Tensor) -> dict:
-    """The JSON checksum record of a whole (contiguous) chunk, as the writer stores it."""
+    """The JSON checksum record of a whole (contiguous) chunk, as the writer stores it (hashed
+    on the tensor's device)."""
     grid = Grid.for_chunk(list(tensor.shape), tensor.element_size())
     raw = tensor.detach().contiguous().view(-1).view(torch.uint8).view(grid.rows, grid.cols * grid.elem)
-    return grid.to_json(region_hashes(raw, grid))
+    return grid.to_json(tile_hashes(raw, grid).cpu())
 
 
 def row_block_slice(record: dict, sizes: list[int], elem: int, k0: int, k1: int) -> dict:
