@@ -60,8 +60,10 @@ class TrainerRank(FSDPRank):
         return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=cpu_offload))
 
     def push_weights(self, version: int) -> dict:
-        """Write this rank's shard of the current weights as ``version``; rank 0 commits it."""
-        return self.pusher.push(self._model_state_dict(), version)
+        """Write this rank's shard of the current weights as ``version``; rank 0 commits it.
+        On a GPU the shards stay there: the pusher casts them there and DMAs them into the
+        shard files (``weightsync.host_memory``)."""
+        return self.pusher.push(self._model_state_dict(offload=False), version)
 
     def remove_pushed(self) -> None:
         self.pusher.remove_all()

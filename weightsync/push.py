@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from redis import RedisError
 
 from weightsync.config import WeightSyncConfig
+from weightsync.host_memory import MappedFiles
 from weightsync.redis_data import PIECE_BYTES, RawRedis, RedisSafetensorsWriter
 from weightsync.redis_space import REDIS_REMEDIES, NotEnoughRedisMemory, out_of_memory, redis_memory
 from weightsync.shm_space import (
@@ -37,7 +38,13 @@ from weightsync.shm_space import (
     no_space,
     shard_file_bytes,
 )
-from weightsync.shm_writer import SAFETENSORS_DTYPES, BaseChunk, ShmSafetensorsWriter, shard_file_name
+from weightsync.shm_writer import (
+    RESERVED_PREFIX,
+    SAFETENSORS_DTYPES,
+    BaseChunk,
+    ShmSafetensorsWriter,
+    shard_file_name,
+)
 from weightsync.store import TensorEntry, WeightStore, parse_unit, unit_name
 
 # The dtypes a policy can be served in (the push casts the fp32 master weights to one of them).
@@ -63,6 +70,11 @@ def version_dir(shm_root: str | Path, run: str, version: int) -> Path:
     return run_dir(shm_root, run) / f"v{version}"
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a (possibly distributed) tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop keys whose tensor is another key's tensor (tied embeddings): stored once.
 
@@ -72,7 +84,7 @@ def without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     seen: set[tuple] = set()
     out = {}
     for fqn, t in state_dict.items():
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = _local(t)
         key = (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype) if local.numel() else (id(t),)
         if key in seen:
             continue
@@ -149,9 +161,14 @@ class WeightPusher:
     every element per push.
     """
 
-    def __init__(self, store: WeightStore, config: WeightSyncConfig, dtype: str = "float32") -> None:
+    def __init__(
+        self, store: WeightStore, config: WeightSyncConfig, dtype: str = "float32", mapped_writes: bool = False
+    ) -> None:
         """``config``: the run's ``weightsync`` group (checked when the config was loaded);
-        ``dtype``: the policy's, which pushed weights are cast to."""
+        ``dtype``: the policy's, which pushed weights are cast to. Whole pushes into shared memory
+        of a state dict on a GPU write through pinned mappings of the shard files (DMA from the
+        GPU, checksums on the GPU; ``weightsync.host_memory``); ``mapped_writes`` takes that
+        path for a CPU state dict too (plain copies into the mapping)."""
         self.store = store
         self.shm_root = Path(config.shm_root)
         self.dtype = DTYPES[dtype]
@@ -166,6 +183,8 @@ class WeightPusher:
         self._world = 1  # trainer ranks (set by push)
         self._reserving: threading.Thread | None = None
         self.reserve_error: Exception | None = None
+        self.mapped_writes = mapped_writes
+        self._mappings: MappedFiles | None = None  # this rank's shard files, mapped (and pinned)
 
     def reserve_count(self) -> int:
         """Shard files this rank's first pushes write before retired ones come back as spares:
@@ -195,7 +214,7 @@ class WeightPusher:
         """
         self._wait_reserved()
         tensors = without_aliases(state_dict)
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
+        local = [_local(t) for t in tensors.values()]
         nbytes = shard_file_bytes(sum(t.numel() for t in local), self.dtype, len(local))
         count = self.reserve_count()
         if self.data_plane == "redis":
@@ -275,7 +294,7 @@ class WeightPusher:
                 with open(partial, "wb") as f:
                     os.posix_fallocate(f.fileno(), 0, nbytes)  # the room, or ENOSPC at once
                     _touch_pages(f, nbytes)
-                partial.rename(spare / f"reserved-{tag}-{i}.safetensors")
+                partial.rename(spare / f"{RESERVED_PREFIX}{tag}-{i}.safetensors")
             except OSError as exc:
                 partial.unlink(missing_ok=True)
                 self.reserve_error = exc
@@ -317,7 +336,10 @@ class WeightPusher:
             writer = RedisSafetensorsWriter(str(out_dir), self.store, version, self.checksums, unit=unit, **delta)
         else:
             spare = spare_dir(self.shm_root, self.store.run)
-            writer = ShmSafetensorsWriter(str(out_dir), self.checksums, unit=unit, spare_dir=spare, **delta)
+            mappings = self._mappings_for(state_dict)
+            writer = ShmSafetensorsWriter(
+                str(out_dir), self.checksums, unit=unit, spare_dir=spare, mappings=mappings, **delta
+            )
         error: BaseException | None = None
         try:
             cast = {k: v.detach().to(self.dtype) for k, v in without_aliases(state_dict).items()}
@@ -361,6 +383,17 @@ class WeightPusher:
             "wrote_over_spare": self.data_plane == "shm" and writer.recycled,
             "dropped_versions": dropped,
         }
+
+    def _mappings_for(self, state_dict: dict[str, torch.Tensor]) -> MappedFiles | None:
+        """The mapped files a whole push writes through (None: plain file writes)."""
+        if self.delta or self.data_plane != "shm":
+            return None
+        on_gpu = any(_local(t).device.type == "cuda" for t in state_dict.values())
+        if not (on_gpu or self.mapped_writes):
+            return None
+        if self._mappings is None:
+            self._mappings = MappedFiles(register=on_gpu)
+        return self._mappings
 
     def _clean_up(self, version, rank, world, writer, out_dir) -> None:
         if self.data_plane == "redis":
@@ -427,6 +460,8 @@ class WeightPusher:
     def remove_all(self) -> None:
         """Remove this run's shared-memory directory and Redis data keys (at the end of a run)."""
         self._wait_reserved()
+        if self._mappings is not None:
+            self._mappings.close()
         shutil.rmtree(run_dir(self.shm_root, self.store.run), ignore_errors=True)
         if self.data_plane == "redis":
             self.store.drop_all_data()

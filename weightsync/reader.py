@@ -15,31 +15,47 @@ checked for every tile the overlap touches before any of its bytes are copied; t
 tile the overlap covers in part is read too, and counted in the bytes read. A mismatch raises
 ``ChecksumMismatch`` naming the version, tensor, chunk, tile and file or keys. Reads go in slabs
 of whole row blocks (a few MiB), so a slab is still in cache when it is copied after its check.
+
+Mapped reads (into CUDA tensors, or ``mapped_reads=True``): a shared-memory chunk is read from a
+``MAP_SHARED`` mapping of its file, registered with CUDA (``weightsync.host_memory``; kept across
+versions for files the writer marks ``pinnable``, so a recycled file is registered once), by
+asynchronous DMA: whole rows of a slab go host-to-device on a copy stream, straight into the
+destination when it is those rows exactly, else into a staging buffer on the device from which
+the wanted columns are copied. The tile checksums are computed on the device on a second stream
+while the next slab is copied, and compared once, in ``ChunkSource.finish``, which raises the same
+``ChecksumMismatch``: a caller of ``read_box`` / ``update_box`` with mapped reads must call it
+before using what they wrote (until then the destination may hold unverified or partly copied
+bytes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from weightsync.checksum import ChecksumMismatch, Grid, matrix_shape, region_hashes
+from weightsync.checksum import ChecksumMismatch, Grid, matrix_shape, region_hashes, tile_hashes
+from weightsync.host_memory import MappedFiles
 from weightsync.layout import Box
 from weightsync.patch import marked_range, scatter_into_box
 from weightsync.redis_data import RawRedis, piece_ranges, tensor_view
 from weightsync.store import Chunk, TensorEntry
 
 SLAB_BYTES = 4 * 2**20
+MAPPED_SLAB_BYTES = 64 * 2**20  # rows per host-to-device copy of mapped reads
 
 
 class _ShardFile:
-    """One safetensors shard, mmapped (private, read-only use), with its parsed header."""
+    """One safetensors shard, mmapped (private, read-only use; or ``mapped``: a shared mapping
+    from ``weightsync.host_memory``), with its parsed header."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, mappings: MappedFiles | None = None) -> None:
         if not Path(path).is_file():
             raise FileNotFoundError(
                 f"weight shard {path} is missing: the version was dropped or the trainer runs on "
@@ -47,12 +63,14 @@ class _ShardFile:
                 "push with data_plane='redis' to serve other hosts)"
             )
         self.path = path
-        with open(path, "rb") as f:
-            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        (n,) = struct.unpack("<Q", self._mmap[:8])
-        self.header = json.loads(self._mmap[8 : 8 + n])
+        if mappings is not None:
+            self.bytes = mappings.get(path).bytes
+        else:
+            with open(path, "rb") as f:
+                self.bytes = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+        (n,) = struct.unpack("<Q", self.bytes[:8].numpy().tobytes())
+        self.header = json.loads(self.bytes[8 : 8 + n].numpy().tobytes())
         self.data_start = 8 + n
-        self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
     def chunk_start(self, name: str, row: int, sizes: list[int], elem: int) -> int:
         """Offset of the first byte of a piece: ``sizes`` elements from row ``row`` on of the
@@ -74,28 +92,162 @@ class _ShardFile:
         return self.data_start + start + row * math.prod(shape[1:]) * elem
 
 
+@dataclass
+class _Check:
+    """A deferred tile check of a mapped read: the hashes computed on the device and the stored ones."""
+
+    fqn: str
+    index: int
+    chunk: Chunk
+    grid: Grid
+    first: tuple[int, int]  # (row block, band) of ``got[0, 0]``
+    got: torch.Tensor
+    want: torch.Tensor
+
+
+class _DeviceCopies:
+    """Streams and staging buffers of mapped reads into one CUDA device: host-to-device copies
+    on one stream, checksums and column copies on another, two staging buffers in turn."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copy = torch.cuda.Stream(device)
+        self.compute = torch.cuda.Stream(device)
+        for stream in (self.copy, self.compute):  # after what the caller queued before the update
+            stream.wait_stream(torch.cuda.current_stream(device))
+        self._buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8, device=device)] * 2
+        self._free: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def stage(self, src: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Copy the host bytes ``src`` into the next staging buffer; (buffer number, its bytes)."""
+        k = self._turn
+        self._turn ^= 1
+        if self._buffers[k].numel() < src.numel():
+            self.compute.synchronize()  # the old buffer may still be read
+            self._buffers[k] = torch.empty(max(src.numel(), MAPPED_SLAB_BYTES), dtype=torch.uint8, device=self.device)
+            self._free[k] = None
+        if self._free[k] is not None:
+            self.copy.wait_event(self._free[k])
+        buf = self._buffers[k][: src.numel()]
+        self.to_device(buf, src)
+        return k, buf
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Asynchronous DMA of host bytes into device bytes; the compute stream waits for it."""
+        with torch.cuda.stream(self.copy):
+            dst.copy_(src, non_blocking=True)
+        self.compute.wait_stream(self.copy)
+
+    def release(self, k: int) -> None:
+        """Staging buffer ``k`` may be written again once the compute stream's work so far is done."""
+        event = torch.cuda.Event()
+        event.record(self.compute)
+        self._free[k] = event
+
+    def finish(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.compute)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy)
+        self.compute.synchronize()
+        self.copy.synchronize()
+
+
 class ChunkSource:
     """Reads one version's chunks from shared-memory files or Redis; open once per update.
 
     ``redis_url`` is needed only for chunks stored in Redis; ``version`` names the version in
     error messages; ``verify=False`` skips the checksums (and the extra bytes of partial tiles).
+    ``mappings``: the caller's mapped shard files, kept across updates (mapped reads of files
+    marked ``pinnable``; others are mapped for this source alone); ``mapped_reads``: read
+    shared-memory chunks the mapped way into CPU tensors too (reads into CUDA tensors always are).
     """
 
-    def __init__(self, redis_url: str | None = None, version: int | None = None, verify: bool = True) -> None:
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        version: int | None = None,
+        verify: bool = True,
+        mappings: MappedFiles | None = None,
+        mapped_reads: bool = False,
+    ) -> None:
         self.redis_url = redis_url
         self.version = version
         self.verify = verify
+        self.mapped_reads = mapped_reads
         self.tiles_verified = 0
         self._files: dict[str, _ShardFile] = {}
         self._redis: RawRedis | None = None
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._pending: tuple[tuple, list] | None = None  # Redis ranges requested ahead of fetch
+        self._mappings = mappings
+        self._own_mappings: MappedFiles | None = None  # of files not marked pinnable
+        self._mapped: dict[str, _ShardFile] = {}
+        self._devices: dict[torch.device, _DeviceCopies] = {}
+        self._checks: list[_Check] = []
 
     def _file(self, path: str) -> _ShardFile:
         f = self._files.get(path)
         if f is None:
             f = self._files[path] = _ShardFile(path)
         return f
+
+    def mapped_file(self, location: dict) -> _ShardFile:
+        """The shard file of a chunk location through a shared (pinned on CUDA) mapping."""
+        path = location["file"]
+        f = self._mapped.get(path)
+        if f is None:
+            mappings = self._mappings if location.get("pinnable") and self._mappings is not None else None
+            if mappings is None:
+                if self._own_mappings is None:
+                    self._own_mappings = MappedFiles()
+                mappings = self._own_mappings
+            f = self._mapped[path] = _ShardFile(path, mappings)
+        return f
+
+    def device_copies(self, device: torch.device) -> _DeviceCopies | None:
+        """The streams of mapped reads into ``device`` (None for the CPU: plain copies)."""
+        if device.type != "cuda":
+            return None
+        copies = self._devices.get(device)
+        if copies is None:
+            copies = self._devices[device] = _DeviceCopies(device)
+        return copies
+
+    @contextlib.contextmanager
+    def device_paused(self, device: torch.device):
+        """Work on the current stream in between mapped copies into ``device``: it sees the
+        copies queued so far done, and the copies queued later wait for it."""
+        copies = self._devices.get(device)
+        if copies is not None:
+            copies.finish()
+        yield
+        if copies is not None:
+            for stream in (copies.copy, copies.compute):
+                stream.wait_stream(torch.cuda.current_stream(device))
+
+    def defer(self, check: _Check) -> None:
+        self._checks.append(check)
+        self.tiles_verified += check.got.numel()
+
+    def finish(self) -> None:
+        """Wait for the copies of mapped reads and compare the checksums they computed with the
+        stored ones: raises ``ChecksumMismatch`` (naming the first bad tile) if any differ."""
+        for copies in self._devices.values():
+            copies.finish()
+        checks, self._checks = self._checks, []
+        if not checks:
+            return
+        got = torch.cat([c.got.reshape(-1) for c in checks]).cpu()
+        want = torch.cat([c.want.reshape(-1) for c in checks])
+        if torch.equal(got, want):
+            return
+        at = 0
+        for c in checks:
+            n = c.want.numel()
+            mine = got[at : at + n].view(c.want.shape)
+            if not torch.equal(mine, c.want):
+                raise ChecksumMismatch(_mismatch(c.fqn, c.index, c.chunk, c.grid, c.first, mine, c.want, self))
+            at += n
 
     def fetch(self, fqn: str, chunk: Chunk, elem: int, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
         """Stored bytes of the chunk's matrix rows x cols, as a uint8 ``(rows, cols * elem)`` tensor.
@@ -181,7 +333,17 @@ class ChunkSource:
             self._redis = None
 
     def close(self) -> None:
+        """Release files and connections (after waiting for any mapped copy still in flight)."""
+        for copies in self._devices.values():
+            with contextlib.suppress(RuntimeError):
+                copies.finish()
+        self._devices.clear()
+        self._checks.clear()
         self._files.clear()
+        self._mapped.clear()
+        if self._own_mappings is not None:
+            self._own_mappings.close()
+            self._own_mappings = None
         self._reset_redis()
 
 
@@ -207,17 +369,10 @@ def _read_part(
     fqn: str, index: int, chunk: Chunk, local: Box, dtype: torch.dtype, dst: torch.Tensor, source: ChunkSource
 ) -> int:
     """Copy ``local`` (a box in the chunk's own coordinates) into ``dst``; returns bytes read."""
+    if chunk.location.get("kind") == "shm" and (dst.device.type == "cuda" or source.mapped_reads):
+        return _read_part_mapped(fqn, index, chunk, local, dtype, dst, source)
     elem = torch.empty(0, dtype=dtype).element_size()
-    ndim = len(chunk.sizes)
-    _, ncols = matrix_shape(chunk.sizes)
-    if ndim == 0:
-        rows, cols = (0, 1), (0, 1)
-    elif ndim == 1:
-        rows, cols = (0, 1), local[0]
-    elif ndim == 2:
-        rows, cols = local[0], local[1]
-    else:  # rows of the matrix view, all their columns
-        rows, cols = local[0], (0, ncols)
+    rows, cols = _matrix_box(chunk, local)
     check = source.verify and chunk.checksum is not None
     if check:
         grid, stored = Grid.from_json(chunk.checksum, chunk.sizes, elem)
@@ -242,21 +397,101 @@ def _read_part(
             if not torch.equal(got, want):
                 raise ChecksumMismatch(_mismatch(fqn, index, chunk, grid, (k0, tiles[1][0]), got, want, source))
             source.tiles_verified += got.numel()
-        p0, p1 = max(rows[0], r0), min(rows[1], r1)
-        if p0 >= p1:
-            continue
-        src = _typed(raw, dtype)
-        c0, c1 = cols[0] - region_cols[0], cols[1] - region_cols[0]
-        if ndim == 0:
-            dst.copy_(src.view(()))
-        elif ndim == 1:
-            dst.copy_(src[0, c0:c1])
-        elif ndim == 2:
-            dst[p0 - rows[0] : p1 - rows[0]].copy_(src[p0 - r0 : p1 - r0, c0:c1])
+        _copy_rows(raw, (r0, r1), region_cols, chunk, local, rows, cols, dtype, dst)
+    return nbytes
+
+
+def _matrix_box(chunk: Chunk, local: Box) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rows and columns of the chunk's matrix view (``checksum.matrix_shape``) that hold ``local``."""
+    ndim = len(chunk.sizes)
+    if ndim == 0:
+        return (0, 1), (0, 1)
+    if ndim == 1:
+        return (0, 1), local[0]
+    if ndim == 2:
+        return local[0], local[1]
+    return local[0], (0, matrix_shape(chunk.sizes)[1])  # rows of the matrix view, all their columns
+
+
+def _copy_rows(raw, slab, region_cols, chunk, local, rows, cols, dtype, dst) -> None:
+    """Copy what ``dst`` wants of the stored bytes ``raw`` (matrix rows ``slab``, columns
+    ``region_cols``) into it; ``rows`` x ``cols`` is the wanted part of the matrix view."""
+    r0, r1 = slab
+    p0, p1 = max(rows[0], r0), min(rows[1], r1)
+    if p0 >= p1:
+        return
+    ndim = len(chunk.sizes)
+    src = _typed(raw, dtype)
+    c0, c1 = cols[0] - region_cols[0], cols[1] - region_cols[0]
+    if ndim == 0:
+        dst.copy_(src.view(()))
+    elif ndim == 1:
+        dst.copy_(src[0, c0:c1])
+    elif ndim == 2:
+        dst[p0 - rows[0] : p1 - rows[0]].copy_(src[p0 - r0 : p1 - r0, c0:c1])
+    else:
+        inner = tuple(slice(lo, hi) for lo, hi in local[1:])
+        block = src.view(r1 - r0, *chunk.sizes[1:])[(slice(p0 - r0, p1 - r0), *inner)]
+        dst[p0 - rows[0] : p1 - rows[0]].copy_(block)
+
+
+def _read_part_mapped(
+    fqn: str, index: int, chunk: Chunk, local: Box, dtype: torch.dtype, dst: torch.Tensor, source: ChunkSource
+) -> int:
+    """``_read_part`` for a shared-memory chunk through its file's mapping (the module docstring's
+    mapped reads). Whole rows of the region its tiles span go to the device, in slabs; returns
+    the bytes copied from the host. Checksums are deferred to ``ChunkSource.finish``."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    rows, cols = _matrix_box(chunk, local)
+    check = source.verify and chunk.checksum is not None
+    if check:
+        grid, stored = Grid.from_json(chunk.checksum, chunk.sizes, elem)
+        tiles = grid.tiles_of(rows, cols)
+        region_rows, region_cols = grid.span(tiles)
+        unit = grid.block_rows
+    else:
+        region_rows, region_cols = rows, cols
+        unit = 1
+    _, ncols = matrix_shape(chunk.sizes)
+    row_bytes = max(1, ncols * elem)
+    loc = chunk.location
+    shard = source.mapped_file(loc)
+    start = shard.chunk_start(loc.get("name", fqn), loc.get("row", 0), chunk.sizes, elem)
+    whole = cols == (0, ncols) and all(hi - lo == n for (lo, hi), n in zip(local[1:], chunk.sizes[1:]))
+    # The wanted elements are the region's rows whole and dst holds them in stored order:
+    # the rows go straight into dst, and the checksums are computed on dst itself.
+    direct = whole and (region_rows, region_cols) == (rows, cols) and dst.is_contiguous()
+    into = dst.view(-1).view(torch.uint8) if direct else None
+    copies = source.device_copies(dst.device)
+    step = unit * max(1, MAPPED_SLAB_BYTES // (row_bytes * unit))
+    nbytes = 0
+    for r0 in range(region_rows[0], region_rows[1], step):
+        r1 = min(r0 + step, region_rows[1])
+        src = shard.bytes[start + r0 * row_bytes : start + r1 * row_bytes]
+        nbytes += src.numel()
+        slot = None
+        if into is not None:
+            target = into[(r0 - rows[0]) * row_bytes : (r1 - rows[0]) * row_bytes]
+            if copies is None:
+                target.copy_(src)
+            else:
+                copies.to_device(target, src)
+            staged = target
+        elif copies is None:
+            staged = src
         else:
-            inner = tuple(slice(lo, hi) for lo, hi in local[1:])
-            block = src.view(r1 - r0, *chunk.sizes[1:])[(slice(p0 - r0, p1 - r0), *inner)]
-            dst[p0 - rows[0] : p1 - rows[0]].copy_(block)
+            slot, staged = copies.stage(src)
+        with torch.cuda.stream(copies.compute) if copies is not None else contextlib.nullcontext():
+            raw = staged.view(r1 - r0, row_bytes)[:, region_cols[0] * elem : region_cols[1] * elem]
+            if check:
+                k0 = r0 // grid.block_rows
+                got = tile_hashes(raw, grid)
+                want = stored[k0 : k0 + got.shape[0], tiles[1][0] : tiles[1][1]]
+                source.defer(_Check(fqn, index, chunk, grid, (k0, tiles[1][0]), got, want))
+            if into is None:
+                _copy_rows(raw, (r0, r1), region_cols, chunk, local, rows, cols, dtype, dst)
+        if slot is not None:
+            copies.release(slot)
     return nbytes
 
 
@@ -328,7 +563,13 @@ def _apply_patch(fqn: str, chunk: Chunk, dtype: torch.dtype, box: Box, dst: torc
             f"{fqn}: the element patch of the chunk at {chunk.offsets} has row marks that do not match "
             f"its indices ({marks}): the index is corrupt"
         )
-    scatter_into_box(indices, parts["values"], chunk.offsets, chunk.sizes, box, dst)
+    if dst.device.type != "cpu":  # patches are applied on the CPU; correct before fast on a GPU
+        with source.device_paused(dst.device):
+            on_host = dst.cpu()
+            scatter_into_box(indices, parts["values"], chunk.offsets, chunk.sizes, box, on_host)
+            dst.copy_(on_host)
+    else:
+        scatter_into_box(indices, parts["values"], chunk.offsets, chunk.sizes, box, dst)
     return nbytes
 
 

@@ -34,11 +34,13 @@ whole chunk; its indices and values carry their own locations and checksums.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import struct
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +53,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from weightsync.checksum import changed_row_blocks, chunk_checksums, row_block_slice
+from weightsync.host_memory import MappedFiles
 from weightsync.patch import (
     PatchState,
     bits,
@@ -78,9 +81,20 @@ SAFETENSORS_DTYPES = {
 }
 
 
+RESERVED_PREFIX = "reserved-"  # spare files created ahead of the first pushes (``WeightPusher.reserve``)
+
+
 def shard_file_name(shard_index: int) -> str:
     """DCP's name for rank ``shard_index - 1``'s single file with ``save_distributed=True``."""
     return f"shard-{shard_index:05d}-model-00001-of-00001.safetensors"
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """An asynchronous DMA copy of a GPU tensor into page-locked host memory (PyTorch's caching
+    host allocator keeps the blocks, so later pushes reuse them); synchronise before reading it."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t.detach(), non_blocking=True)
+    return out
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -169,11 +183,17 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         max_live: float = 2.0,
         spare_dir: Path | None = None,
         elements: bool = False,
+        mappings: MappedFiles | None = None,
     ) -> None:
         super().__init__(path=path, save_distributed=True)
         self.spare_dir = spare_dir  # freed shard files to write into (see ``claim_spare``)
         if base is not None and not checksums:
             raise ValueError("delta sync compares checksums: it needs checksums=True")
+        if mappings is not None and base is not None:
+            raise ValueError("writes through mapped shard files are for whole pushes, not delta sync")
+        # Write the shard through a shared mapping of its file (pinned for CUDA, see
+        # ``weightsync.host_memory``): tensors on a GPU go into the file by DMA.
+        self.mappings = mappings
         self.checksums = checksums
         self.unit = unit
         self.base = base
@@ -196,13 +216,16 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
 
     def location(self, name: str, byte_offset: int) -> dict:
         """The index's location of a stored tensor ``name`` that starts at ``byte_offset`` of the shard."""
-        return {
+        location = {
             "kind": "shm",
             "file": str(self.fs.concat_path(self.path, self.shard_name)),
             "name": name,
             "unit": self.unit,
             "push": self.push_id,
         }
+        if self.mappings is not None:
+            location["pinnable"] = True  # written at its final size: readers may keep it pinned
+        return location
 
     def _emit(self, file_name: str, parts: list[memoryview | bytes]) -> None:
         """Store the shard, given as consecutive byte strings, in a recycled file if one is spare."""
@@ -214,6 +237,43 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
                 f.write(part)
             if self.recycled:
                 f.truncate()  # the spare may have been longer
+
+    def _emit_mapped(self, file_name: str, head: bytes, tensors: list[torch.Tensor]) -> Callable[[], None]:
+        """Store the shard through a shared mapping of its file; returns what waits for the copies.
+
+        The file gets its final size before it is mapped and keeps it (see
+        ``weightsync.host_memory``): a spare of exactly that size is written over (or a reserved
+        one never published, cut to size), else a new file is allocated in full first, so that a
+        full ``/dev/shm`` is an ``ENOSPC`` here, not a fault in the middle of a copy. Tensors on a
+        GPU are copied on a stream of their own (after what the current stream has queued: the
+        casts), asynchronously, so that the caller can checksum them on the GPU meanwhile.
+        """
+        path = str(self.fs.concat_path(self.path, file_name))
+        nbytes = len(head) + sum(t.numel() * t.element_size() for t in tensors)
+        self.recycled = self.spare_dir is not None and claim_spare(self.spare_dir, path, nbytes, fixed_size=True)
+        if self.recycled:
+            if os.path.getsize(path) != nbytes:
+                os.truncate(path, nbytes)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+        dst = self.mappings.get(path).bytes
+        dst[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        device = next((t.device for t in tensors if t.device.type == "cuda"), None)
+        stream = None
+        if device is not None:
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+        offset = len(head)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                dst[offset : offset + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=stream is not None)
+                offset += n
+        return stream.synchronize if stream is not None else lambda: None
 
     def _plan_delta(self, fqn: str, offsets: list[int], tensor: torch.Tensor, checksum: dict):
         """(row ranges to write, pieces reused from the base) for one chunk."""
@@ -301,11 +361,15 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         items = []
         for item in plan.items:
             tensor = planner.resolve_data(item)
-            if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu:
-                raise ValueError(f"{item.index.fqn}: weight sync writes CPU tensors only")
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{item.index.fqn}: weight sync writes tensors only")
+            if tensor.device.type != "cpu" and self.mappings is None:
+                tensor = _pinned_copy(tensor)  # Redis or delta sync from a GPU: through host memory
             tensor = tensor.detach().contiguous()
             items.append((item, list(item.tensor_data.chunk.offsets), tensor))
             self.layouts[item.index.fqn] = (items[-1][1], list(tensor.shape), tensor.dtype)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the pinned copies have landed
         # Which rows of each chunk to write, and which pieces of the base describe the rest;
         # with element patches, which chunks stay on their base.
         plans = {item.index.fqn: ([(0, _rows(list(t.shape)))], []) for item, _, t in items}
@@ -387,15 +451,19 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
         data_start = 8 + len(raw)
-        parts: list[memoryview | bytes] = [struct.pack("<Q", len(raw)), raw]
-        parts += [_tensor_bytes(part) for *_, part, _ in runs if part.numel()]
-        parts += [_tensor_bytes(t) for _, stored in patch_runs for _, _, t, _ in stored]
+        head = struct.pack("<Q", len(raw)) + raw
+        tensors = [part for *_, part, _ in runs if part.numel()]
+        tensors += [t for _, stored in patch_runs for _, _, t, _ in stored]
         written = bool(runs or patch_runs)
-        # The shard goes out on a thread (file writes and socket sends release the GIL) while
-        # this one computes the checksums of the same, unchanging tensors. Nothing changed:
-        # no shard at all.
+        # The shard goes out on a thread (file writes and socket sends release the GIL), or by
+        # asynchronous copies from a GPU, while this thread computes the checksums of the same,
+        # unchanging tensors. Nothing changed: no shard at all.
         with ThreadPoolExecutor(1) as pool:
-            emitted = pool.submit(self._emit, file_name, parts) if written else None
+            emitted = None
+            if written and self.mappings is not None:
+                emitted = self._emit_mapped(file_name, head, tensors)
+            elif written:
+                emitted = pool.submit(self._emit, file_name, [head, *map(_tensor_bytes, tensors)]).result
             for item, _, tensor in items:
                 fqn = item.index.fqn
                 if self.checksums and fqn not in self.chunk_checksums:
@@ -421,7 +489,7 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
                 self.chunks[fqn].append(self._patch_piece(fqn, patches[fqn].state, stored, data_start))
                 self.on_base[fqn] = replace(patches[fqn].state, piece=self.chunks[fqn][-1])
             if emitted is not None:
-                emitted.result()
+                emitted()
         self.shard_bytes = data_start + offset if written else 0
         # DCP's write results; a chunk written in pieces points at its first written run (the
         # version's index, not DCP's metadata, says where all of a chunk's rows are).
@@ -441,9 +509,10 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         return future
 
 
-def claim_spare(spare_dir: Path, path: str, nbytes: int = 0) -> bool:
+def claim_spare(spare_dir: Path, path: str, nbytes: int = 0, fixed_size: bool = False) -> bool:
     """Move a spare shard file to ``path``: the smallest one that holds ``nbytes``, else the
-    largest. False if there is none.
+    largest. False if there is none. ``fixed_size``: only one of exactly ``nbytes``, or a
+    reserved one (never published, so never mapped by a reader) that holds them.
 
     Writing into a file whose pages tmpfs already holds is a plain copy; a fresh file makes the
     kernel allocate and zero every page, and unlinking it later frees them again (measured here
@@ -465,7 +534,10 @@ def claim_spare(spare_dir: Path, path: str, nbytes: int = 0) -> bool:
         except FileNotFoundError:  # another rank claimed it since the listing
             continue
     fitting = sorted(s for s in spares if s[0] >= nbytes)
-    for _, spare in fitting + sorted((s for s in spares if s[0] < nbytes), reverse=True):
+    if fixed_size:
+        fitting = [s for s in fitting if s[0] == nbytes or Path(s[1]).name.startswith(RESERVED_PREFIX)]
+        fitting.sort(key=lambda s: s[0] != nbytes)  # exact ones first
+    for _, spare in fitting + ([] if fixed_size else sorted((s for s in spares if s[0] < nbytes), reverse=True)):
         try:
             os.rename(spare, path)
             return True

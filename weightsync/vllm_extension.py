@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from weightsync.host_memory import MappedFiles
 from weightsync.layout import TIED_ALIASES, pieces_for
 from weightsync.reader import ChunkSource, update_box
 from weightsync.store import TensorEntry, WeightStore
@@ -99,7 +100,8 @@ class WeightSyncExtension:
         """Copy ``version``'s weights into this worker's parameters, slice by slice.
 
         Chunks are read from where the index says (shared-memory files or Redis values at
-        ``redis_url``); ``verify`` checks the tile checksums of every byte read before copying it.
+        ``redis_url``); ``verify`` checks the tile checksums of every byte read (on a GPU: on the
+        GPU, as the bytes arrive by DMA from the pinned shard files, ``weightsync.reader``).
         Slices whose stored pieces equal those of the version loaded last are skipped.
         """
         start = time.perf_counter()
@@ -111,11 +113,13 @@ class WeightSyncExtension:
         loaded = getattr(self, "_ws_loaded", None)
         previous = loaded[1] if loaded is not None and loaded[0] == run else {}
         self._ws_loaded = None  # until this update has succeeded
-        files = ChunkSource(redis_url, version, verify)
+        on_cpu = _is_cpu()
+        if not on_cpu and getattr(self, "_ws_mappings", None) is None:
+            self._ws_mappings = MappedFiles()  # shard files pinned once, read by DMA in every update
+        files = ChunkSource(redis_url, version, verify, mappings=None if on_cpu else self._ws_mappings)
         allocated_before = self._dense_bytes()
         nbytes = skipped = 0
         repack = []
-        on_cpu = _is_cpu()
         try:
             with torch.no_grad():
                 for name, param, layer, owners in self._live_parameters(attach=False):
@@ -131,6 +135,7 @@ class WeightSyncExtension:
                         layer.weight = torch.nn.Parameter(param, requires_grad=False)
                     if changed and (on_cpu or name in self._dense):
                         repack.extend(owners)
+            files.finish()  # mapped reads on a GPU: the copies landed and every tile checked out
         finally:
             files.close()
         copied = time.perf_counter()
