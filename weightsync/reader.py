@@ -178,6 +178,7 @@ class ChunkSource:
         self._files: dict[str, _ShardFile] = {}
         self._redis: RawRedis | None = None
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self.pin_staging = False  # Redis bytes bound for a GPU land in page-locked memory (DMA from there)
         self._pending: tuple[tuple, list] | None = None  # Redis ranges requested ahead of fetch
         self._mappings = mappings
         self._own_mappings: MappedFiles | None = None  # of files not marked pinnable
@@ -266,8 +267,8 @@ class ChunkSource:
             return region.view(height, row_bytes)[:, cols[0] * elem : cols[1] * elem]
         if kind == "redis":
             n = height * width
-            if self._staging.numel() < n:
-                self._staging = torch.empty(n, dtype=torch.uint8)
+            if self._staging.numel() < n or self._staging.is_pinned() != self.pin_staging:
+                self._staging = torch.empty(n, dtype=torch.uint8, pin_memory=self.pin_staging)
             client = self._redis_client()
             try:
                 if self._pending is not None and self._pending[0] == (id(chunk), rows, cols):
@@ -371,6 +372,7 @@ def _read_part(
     """Copy ``local`` (a box in the chunk's own coordinates) into ``dst``; returns bytes read."""
     if chunk.location.get("kind") == "shm" and (dst.device.type == "cuda" or source.mapped_reads):
         return _read_part_mapped(fqn, index, chunk, local, dtype, dst, source)
+    source.pin_staging = dst.device.type == "cuda"
     elem = torch.empty(0, dtype=dtype).element_size()
     rows, cols = _matrix_box(chunk, local)
     check = source.verify and chunk.checksum is not None
