@@ -55,19 +55,13 @@ COPY_BYTES = 2**30
 
 def state_dict_shapes(case: str) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes of the Qwen3 model of ``case`` (tied: no ``lm_head``)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    hidden, layers, inter, vocab, heads, kv, head_dim, tied = CASES[case]
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        tie_word_embeddings=tied,
-    )
+    from bench.weightsync import qwen3_config
+
+    *shape, tied = CASES[case]
+    config = qwen3_config(tuple(shape), torch.bfloat16)
+    config.tie_word_embeddings = tied
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -36,3 +37,16 @@ def random_chunk(sizes, dtype, g) -> torch.Tensor:
 
 
 CHUNK_IDS = [f"{s}-{d}".replace("torch.", "") for s, d in CHUNK_CASES]
+
+
+def flip_stored_bit(path: str, name: str, element: int, elem: int) -> None:
+    """Flip a bit of element ``element`` (flat index) of the tensor ``name`` stored in the
+    safetensors file at ``path``, where its values are ``elem`` bytes each."""
+    with open(path, "r+b") as f:
+        header = int.from_bytes(f.read(8), "little")
+        start = json.loads(f.read(header))[name]["data_offsets"][0]
+        offset = 8 + header + start + element * elem
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))

@@ -10,7 +10,6 @@ than torch, transformers, safetensors, numpy and redis-py (``tests/test_gpu_impo
 
 from __future__ import annotations
 
-import json
 import random
 import socket
 import uuid
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.boxes import random_box
-from tests.chunks import CHUNK_CASES, CHUNK_IDS, random_chunk
+from tests.chunks import CHUNK_CASES, CHUNK_IDS, flip_stored_bit, random_chunk
 from tests.fsdp_push import perturbed_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -170,15 +169,7 @@ def test_a_corrupt_tile_is_caught_by_the_gpu_verification(store, shm_root):
     fqn = "model.layers.0.self_attn.o_proj.weight"
     entry = store.index(5)[fqn]
     path = entry.chunks[0].location["file"]
-    with open(path, "rb") as f:
-        header = int.from_bytes(f.read(8), "little")
-        first = json.loads(f.read(header))[fqn]["data_offsets"][0]
-    offset = 8 + header + first + (10 * 128 + 120) * 4  # element [10, 120]: last band (112:128)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_stored_bit(path, fqn, 10 * 128 + 120, 4)  # element [10, 120]: last band (112:128)
     clean = ChunkSource(version=5)
     out = torch.empty(64, 64, device="cuda")
     read_box(fqn, entry, ((0, 64), (0, 64)), out, clean)  # a TP=2 row-parallel rank's clean half

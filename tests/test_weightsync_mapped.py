@@ -4,7 +4,6 @@ size reused across versions, mappings kept per file and dropped once the file is
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
@@ -13,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from tests.boxes import random_box
+from tests.chunks import flip_stored_bit
 from tests.configs import make_pusher
 from weightsync.checksum import ChecksumMismatch
 from weightsync.host_memory import MappedFiles
@@ -178,15 +178,7 @@ def test_a_corrupt_tile_read_by_mapped_reads_is_caught_at_finish(store, shm_root
     fqn = "model.layers.0.self_attn.o_proj.weight"
     entry = store.index(4)[fqn]
     path = entry.chunks[0].location["file"]
-    with open(path, "rb") as f:
-        header = int.from_bytes(f.read(8), "little")
-        first = json.loads(f.read(header))[fqn]["data_offsets"][0]
-    offset = 8 + header + first + (3 * 32 + 30) * 4  # element [3, 30]: the last band of a 16-wide TP=2 half
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_stored_bit(path, fqn, 3 * 32 + 30, 4)  # element [3, 30]: the last band of a 16-wide TP=2 half
     clean = ChunkSource(version=4, mapped_reads=True)
     out = torch.empty(16, 16)
     read_box(fqn, entry, ((0, 16), (0, 16)), out, clean)  # the other column half: clean tiles

@@ -180,27 +180,33 @@ def region_hashes(raw: torch.Tensor, grid: Grid) -> torch.Tensor:
     out = np.empty((-(-rows // grid.block_rows), -(-cols // band)), dtype=np.int64)
     a = coefficients(_SEED_A, band).numpy()
     b = coefficients(_SEED_B, grid.block_rows).numpy()
+    with np.errstate(over="ignore"):
+        for (s0, s1), (c0, c1), height, width, tiles_at in _pieces(rows, cols, band, grid, _BATCH_BYTES // grid.word):
+            tiles = words[s0:s1, c0:c1].reshape(-1, height, (c1 - c0) // width, width)
+            per_row = tiles @ a[:width]  # (blocks, height, bands), wrapping int64
+            out[tiles_at] = (per_row * b[:height, None]).sum(1)
+    return torch.from_numpy(out)
+
+
+def _pieces(rows: int, cols: int, band: int, grid: Grid, batch_words: int):
+    """The pieces a region of ``rows`` x ``cols`` words is hashed in: batches of at most about
+    ``batch_words`` words of whole row blocks, split into the full bands and the last partial
+    band, and into the batch's whole row blocks and its partial last block. Yields the word rows,
+    word columns, block height, band width and the slice of the output tiles each piece fills."""
     full_cols = cols - cols % band
     col_parts = [(0, full_cols, band), (full_cols, cols, cols - full_cols)]
-    row_bytes = max(1, cols * grid.word)
-    per_batch = max(1, _BATCH_BYTES // (row_bytes * grid.block_rows)) * grid.block_rows
-    with np.errstate(over="ignore"):
-        for r0 in range(0, rows, per_batch):
-            r1 = min(rows, r0 + per_batch)
-            tail = r1 - (r1 - r0) % grid.block_rows
-            for c0, c1, width in col_parts:
-                if c1 <= c0:
+    per_batch = max(1, batch_words // (max(1, cols) * grid.block_rows)) * grid.block_rows
+    for r0 in range(0, rows, per_batch):
+        r1 = min(rows, r0 + per_batch)
+        tail = r1 - (r1 - r0) % grid.block_rows
+        for c0, c1, width in col_parts:
+            if c1 <= c0:
+                continue
+            for s0, s1 in ((r0, tail), (tail, r1)):
+                if s1 <= s0:
                     continue
-                for s0, s1 in ((r0, tail), (tail, r1)):
-                    if s1 <= s0:
-                        continue
-                    height = min(grid.block_rows, s1 - s0)
-                    tiles = words[s0:s1, c0:c1].reshape(-1, height, (c1 - c0) // width, width)
-                    per_row = tiles @ a[:width]  # (blocks, height, bands), wrapping int64
-                    out[s0 // grid.block_rows : -(-s1 // grid.block_rows), c0 // band : -(-c1 // band)] = (
-                        per_row * b[:height, None]
-                    ).sum(1)
-    return torch.from_numpy(out)
+                tiles_at = (slice(s0 // grid.block_rows, -(-s1 // grid.block_rows)), slice(c0 // band, -(-c1 // band)))
+                yield (s0, s1), (c0, c1), min(grid.block_rows, s1 - s0), width, tiles_at
 
 
 _DEVICE_COEFFS: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -231,24 +237,10 @@ def region_hashes_torch(raw: torch.Tensor, grid: Grid, batch_bytes: int = 256 * 
     out = torch.empty((-(-rows // grid.block_rows), -(-cols // band)), dtype=torch.int64, device=raw.device)
     a = _device_coefficients(_SEED_A, band, raw.device)
     b = _device_coefficients(_SEED_B, grid.block_rows, raw.device)
-    full_cols = cols - cols % band
-    col_parts = [(0, full_cols, band), (full_cols, cols, cols - full_cols)]
-    per_batch = max(1, batch_bytes // (max(1, cols) * 8 * grid.block_rows)) * grid.block_rows
-    for r0 in range(0, rows, per_batch):
-        r1 = min(rows, r0 + per_batch)
-        tail = r1 - (r1 - r0) % grid.block_rows
-        for c0, c1, width in col_parts:
-            if c1 <= c0:
-                continue
-            for s0, s1 in ((r0, tail), (tail, r1)):
-                if s1 <= s0:
-                    continue
-                height = min(grid.block_rows, s1 - s0)
-                tiles = words[s0:s1, c0:c1].to(torch.int64).view(-1, height, (c1 - c0) // width, width)
-                per_row = (tiles * a[:width]).sum(-1)  # (blocks, height, bands), wrapping int64
-                out[s0 // grid.block_rows : -(-s1 // grid.block_rows), c0 // band : -(-c1 // band)] = (
-                    per_row * b[:height, None]
-                ).sum(1)
+    for (s0, s1), (c0, c1), height, width, tiles_at in _pieces(rows, cols, band, grid, batch_bytes // 8):
+        tiles = words[s0:s1, c0:c1].to(torch.int64).view(-1, height, (c1 - c0) // width, width)
+        per_row = (tiles * a[:width]).sum(-1)  # (blocks, height, bands), wrapping int64
+        out[tiles_at] = (per_row * b[:height, None]).sum(1)
     return out
 
 

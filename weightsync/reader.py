@@ -373,17 +373,9 @@ def _read_part(
     if chunk.location.get("kind") == "shm" and (dst.device.type == "cuda" or source.mapped_reads):
         return _read_part_mapped(fqn, index, chunk, local, dtype, dst, source)
     source.pin_staging = dst.device.type == "cuda"
-    elem = torch.empty(0, dtype=dtype).element_size()
-    rows, cols = _matrix_box(chunk, local)
-    check = source.verify and chunk.checksum is not None
+    elem, rows, cols, check, region_rows, region_cols, unit = _region(chunk, local, dtype, source.verify)
     if check:
-        grid, stored = Grid.from_json(chunk.checksum, chunk.sizes, elem)
-        tiles = grid.tiles_of(rows, cols)
-        region_rows, region_cols = grid.span(tiles)
-        unit = grid.block_rows
-    else:
-        region_rows, region_cols = rows, cols
-        unit = 1
+        grid, stored, tiles = check
     row_bytes = max(1, (region_cols[1] - region_cols[0]) * elem)
     step = unit * max(1, SLAB_BYTES // (row_bytes * unit))
     nbytes = 0
@@ -401,6 +393,20 @@ def _read_part(
             source.tiles_verified += got.numel()
         _copy_rows(raw, (r0, r1), region_cols, chunk, local, rows, cols, dtype, dst)
     return nbytes
+
+
+def _region(chunk: Chunk, local: Box, dtype: torch.dtype, verify: bool):
+    """What reading ``local`` of a chunk takes: (element size, the wanted matrix rows and columns,
+    (grid, stored checksums, tile ranges) or None without verification, the rows and columns read
+    (with verification: of the whole tiles they touch), the row unit a read is cut at)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    rows, cols = _matrix_box(chunk, local)
+    if not verify or chunk.checksum is None:
+        return elem, rows, cols, None, rows, cols, 1
+    grid, stored = Grid.from_json(chunk.checksum, chunk.sizes, elem)
+    tiles = grid.tiles_of(rows, cols)
+    region_rows, region_cols = grid.span(tiles)
+    return elem, rows, cols, (grid, stored, tiles), region_rows, region_cols, grid.block_rows
 
 
 def _matrix_box(chunk: Chunk, local: Box) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -443,17 +449,9 @@ def _read_part_mapped(
     """``_read_part`` for a shared-memory chunk through its file's mapping (the module docstring's
     mapped reads). Whole rows of the region its tiles span go to the device, in slabs; returns
     the bytes copied from the host. Checksums are deferred to ``ChunkSource.finish``."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    rows, cols = _matrix_box(chunk, local)
-    check = source.verify and chunk.checksum is not None
+    elem, rows, cols, check, region_rows, region_cols, unit = _region(chunk, local, dtype, source.verify)
     if check:
-        grid, stored = Grid.from_json(chunk.checksum, chunk.sizes, elem)
-        tiles = grid.tiles_of(rows, cols)
-        region_rows, region_cols = grid.span(tiles)
-        unit = grid.block_rows
-    else:
-        region_rows, region_cols = rows, cols
-        unit = 1
+        grid, stored, tiles = check
     _, ncols = matrix_shape(chunk.sizes)
     row_bytes = max(1, ncols * elem)
     loc = chunk.location
