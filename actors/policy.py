@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ class Generation:
     prompt_ids: list[list[int]]  # each prompt's tokens, as the engine tokenised it
     samples: list[list[Sample]]  # each prompt's samples
     version: int  # the weights version that produced them
+    seconds: float = 0.0  # spent in the engine, from the request to the last sample
 
 
 @ray.remote(num_cpus=0)
@@ -120,6 +122,7 @@ class Policy:
         self._check_weights()
         from vllm import SamplingParams
 
+        start = time.perf_counter()
         # vLLM seeds a prompt's n samples seed, seed+1, ...: give each prompt its own range so that
         # different prompts do not share random streams.
         params = [
@@ -140,7 +143,9 @@ class Policy:
                 lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
                 group.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason == "stop"))
             samples.append(group)
-        return Generation([list(o.prompt_token_ids) for o in outputs], samples, self.version)
+        return Generation(
+            [list(o.prompt_token_ids) for o in outputs], samples, self.version, time.perf_counter() - start
+        )
 
     def greedy(self, prompts: list[str], max_tokens: int | None = None) -> list[Completion]:
         """Greedy completion of each prompt (at most ``max_tokens``, default ``policy.max_tokens``)."""
@@ -197,6 +202,7 @@ class Policy:
         self.llm.reset_prefix_cache()
         self.version = version
         return {
+            "version": version,
             "update_s": max(s["update_s"] for s in stats),
             "bytes_read_per_worker": [s["bytes_read"] for s in stats],
             # Slices delta sync did not read again: their stored pieces equal the loaded version's,

@@ -33,6 +33,9 @@ REQUIRED = {
     "step_s",
     "gen_tokens_per_s",
     "gen_s",
+    "gen_engine_s",
+    "staleness",
+    "dropped_stale",
     "reward_s",
     "train_s",
     "push_s",
@@ -111,6 +114,19 @@ def test_wrong_type_names_the_key():
 def test_bad_values_name_the_key_and_what_is_allowed(override, key):
     with pytest.raises(ConfigError, match=f"{key}=.*expected"):
         load_config(_compose(override))
+
+
+def test_async_mode_needs_a_staleness_bound_and_the_versions_it_lags_kept():
+    with pytest.raises(ConfigError, match="mode=.*expected one of"):
+        load_config(_compose("mode=eager"))
+    with pytest.raises(ConfigError, match=r"algo.max_staleness=0 is invalid: expected an integer >= 1 with mode=async"):
+        load_config(_compose("mode=async"))
+    with pytest.raises(
+        ConfigError, match=r"weightsync.keep_last=2 is invalid: expected at least algo.max_staleness \(3\)"
+    ):
+        load_config(_compose("mode=async", "algo.max_staleness=3"))
+    assert load_config(_compose("mode=async", "algo.max_staleness=1")).mode == "async"
+    assert load_config(_compose("mode=async", "algo=ppo", "algo.max_staleness=2")).algo.max_staleness == 2
 
 
 def test_delta_sync_without_checksums_is_refused():
@@ -298,7 +314,8 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
         assert 0.0 <= r["reward_mean"] <= 1.0
         phases = [r[k] for k in ("eval_s", "gen_s", "reward_s", "reference_s", "train_s", "weight_sync_s") if k in r]
         assert all(p > 0 for p in phases) and sum(phases) <= r["step_s"]  # the phases run one after another
-        assert r["completions_per_s"] == pytest.approx(8 * 4 / r["gen_s"]) and "reference_s" in r
+        assert r["completions_per_s"] == pytest.approx(8 * 4 / r["gen_engine_s"]) and "reference_s" in r
+        assert r["gen_engine_s"] <= r["gen_s"] and r["staleness"] == 0 and r["dropped_stale"] == 0
     assert "eval_accuracy" in steps[0] and "eval_accuracy" in steps[2] and "eval_accuracy" not in steps[1]
     assert "eval_s" in steps[2] and "eval_s" not in steps[1]
     assert final["final"] is True and final["policy_version"] == 3 and 0.0 <= final["eval_accuracy"] <= 1.0
@@ -339,6 +356,38 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
     assert all(moved)  # every tensor was trained and exported
     assert not any(shm.glob("ws-*"))  # shared memory cleaned up at exit
     assert _engine_sockets() <= sockets_before  # and the engine's sockets with their folder
+
+
+@pytest.mark.slow
+def test_async_run_trains_on_batches_sampled_while_earlier_steps_trained(tmp_path, tiny_model_path):
+    """mode=async with max_staleness=2: steps 0-2 are requested up front (version 0), then each
+    step asks for the batch two steps ahead, sampled by the version loaded just before it; the
+    generation of later steps overlaps training, so the loop hardly waits for it."""
+    proc = _run_app(
+        "mode=async",
+        "algo.max_staleness=2",
+        "steps=6",
+        "eval_every=3",
+        "prompts_per_step=8",
+        "algo.group_size=4",
+        "trainer.lr=1e-4",
+        f"output_dir={tmp_path}",
+        "run_name=async",
+        f"weightsync.shm_root={tmp_path / 'shm'}",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    steps, final = rows[:-1], rows[-1]
+    assert [r["step"] for r in steps] == list(range(6))
+    assert [r["policy_version"] for r in steps] == [0, 0, 0, 1, 2, 3]
+    assert [r["staleness"] for r in steps] == [0, 1, 2, 2, 2, 2] and all(r["dropped_stale"] == 0 for r in steps)
+    for r in steps:
+        assert set(r) >= REQUIRED - {"update_s"}, REQUIRED - set(r)
+        assert "update_wait_s" in r and r["logprob_diff_mean"] < 1.0
+    assert steps[0]["logprob_diff_mean"] < 1e-3 < steps[-1]["logprob_diff_mean"]  # the lag shows
+    assert any(r["gen_s"] < 0.5 * r["gen_engine_s"] for r in steps[3:])  # sampled while training
+    assert final["final"] is True and final["policy_version"] == 6 and "eval_accuracy" in steps[3]
+    assert not any((tmp_path / "shm").glob("ws-*"))
 
 
 @pytest.mark.slow

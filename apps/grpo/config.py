@@ -67,6 +67,9 @@ class CheckpointConfig:
         ]
 
 
+MODES = ("sync", "async")
+
+
 @dataclass
 class RunConfig:
     run_name: str
@@ -75,6 +78,7 @@ class RunConfig:
     resume: bool
     steps: int
     prompts_per_step: int
+    mode: str  # sync | async (see configs/grpo.yaml)
     eval_every: int
     seed: int
     model: ModelConfig
@@ -93,6 +97,19 @@ class RunConfig:
         return [
             (self.steps >= 1, "steps", "an integer >= 1"),
             (self.prompts_per_step >= 1, "prompts_per_step", "an integer >= 1"),
+            (self.mode in MODES, "mode", f"one of {list(MODES)}"),
+            (
+                self.mode != "async" or self.algo.max_staleness >= 1,
+                "algo.max_staleness",
+                "an integer >= 1 with mode=async (the batch generated while a step trains is sampled by weights "
+                "at least one version old)",
+            ),
+            (
+                self.mode != "async" or self.weightsync.keep_last >= self.algo.max_staleness,
+                "weightsync.keep_last",
+                f"at least algo.max_staleness ({self.algo.max_staleness}) with mode=async (the versions the "
+                "policy has yet to load stay in the store)",
+            ),
             (self.eval_every >= 0, "eval_every", "an integer >= 0 (0: only before and after training)"),
             (
                 bool(str(self.run_name).strip()) and not {"/", ":"} & set(str(self.run_name)),

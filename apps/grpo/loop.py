@@ -15,6 +15,7 @@ from algos.episodes import Episode
 from apps.grpo import interrupts
 from apps.grpo.checkpoints import Checkpointer, LoopState
 from apps.grpo.config import RunConfig
+from apps.grpo.rollouts import Rollouts
 from apps.grpo.run_log import RunLog
 from apps.grpo.start import Actors
 from apps.grpo.trackers import Trackers
@@ -45,6 +46,14 @@ def train(
         resume = LoopState(0, 0, 0, first_eval, first_eval)
     state = resume
     batches = task.train_batches(cfg.prompts_per_step, start=state.data_cursor)
+    rollouts = Rollouts(
+        actors.policy,
+        batches,
+        lambda step, prompts: (cfg.seed * 1_000_003 + step) * prompts * n,  # disjoint seed ranges per step
+        n,
+        cfg.steps,
+        ahead=cfg.algo.max_staleness if cfg.mode == "async" else 0,
+    )
     checkpointer = Checkpointer(cfg.checkpoint, out_dir, actors, console)
     title = cfg.algo.name.upper()
     with RunLog(out_dir, console, title, cfg.steps, state.step, state.last_eval, trackers) as log:
@@ -58,13 +67,11 @@ def train(
                 row["eval_accuracy"] = state.last_eval = evaluate(actors, task.heldout, health)
                 row["eval_s"] = time.perf_counter() - t0
 
-            # 1-2. Prompts -> n completions each, with their logprobs and the policy version.
-            problems = next(batches)
+            # 1-2. Prompts -> n completions each, with their logprobs and the policy version
+            # (in async mode requested steps ahead, sampled while earlier steps trained).
+            rollout = rollouts.take(step)
+            problems, generation, gen_s = rollout.problems, rollout.generation, rollout.wait_s
             state.data_cursor += 1
-            sample_seed = (cfg.seed * 1_000_003 + step) * len(problems) * n  # disjoint seed ranges per step
-            t = time.perf_counter()
-            generation = ray.get(actors.policy.generate.remote([p.prompt for p in problems], n, sample_seed))
-            gen_s = time.perf_counter() - t
 
             # 3. Rewards.
             t = time.perf_counter()
@@ -80,14 +87,20 @@ def train(
             # 5. Through the replay buffer, which drops episodes older than max_staleness.
             ray.get(actors.replay.add.remote(episodes))
             batch = ray.get(actors.replay.take.remote(state.policy_version))
+            if not batch:
+                raise RuntimeError(
+                    f"step {step}: every episode was older than algo.max_staleness={cfg.algo.max_staleness} "
+                    f"versions (sampled by version {generation.version}, trainer at {state.policy_version})"
+                )
 
             # 6. Train the policy (and the critic, at the same time).
             trained = train_step(actors, batch)
             health.updates(step, trained)
 
             # 7-8. Push the new weights through the store; the policy loads them in place.
+            staleness = state.policy_version - generation.version
             state.policy_version += 1
-            row.update(sync_weights(actors, state.policy_version))
+            row.update(sync_weights(actors, rollouts, state.policy_version))
 
             gen_tokens = sum(len(e.completion_ids) for e in episodes)
             row.update(
@@ -97,10 +110,13 @@ def train(
                 **trained,
                 skipped_updates=health.skipped,
                 policy_version=generation.version,
+                staleness=staleness,
+                dropped_stale=len(episodes) - len(batch),
                 gen_s=gen_s,
+                gen_engine_s=generation.seconds,
                 reward_s=reward_s,
-                completions_per_s=len(episodes) / gen_s,
-                gen_tokens_per_s=gen_tokens / gen_s,
+                completions_per_s=len(episodes) / generation.seconds,
+                gen_tokens_per_s=gen_tokens / generation.seconds,
                 completion_len_mean=gen_tokens / len(episodes),
                 step_s=time.perf_counter() - t0,
             )
@@ -110,6 +126,7 @@ def train(
                 checkpointer.save(state)
             else:
                 checkpointer.poll()
+        rollouts.finish()
         checkpointer.finish()
         final_eval = evaluate(actors, task.heldout, health)
         log.final(final_eval, state.policy_version)
@@ -196,18 +213,24 @@ def gather_timed(pending: dict[str, list[ray.ObjectRef]]) -> tuple[dict[str, lis
     return {name: ray.get(refs) for name, refs in pending.items()}, seconds
 
 
-def sync_weights(actors: Actors, version: int) -> dict:
-    """Push the trainer's weights as ``version`` and load them into the policy in place."""
+def sync_weights(actors: Actors, rollouts: Rollouts, version: int) -> dict:
+    """Push the trainer's weights as ``version`` and have the policy load them in place (in
+    async mode queued behind its requests: ``update_s`` is then the last finished update's, and
+    ``update_wait_s`` what the loop waited for the policy to keep within its lag)."""
     t = time.perf_counter()
+    waited = rollouts.before_push()
     push = actors.trainer.push_weights(version)
-    update = ray.get(actors.policy.update_weights.remote(version))
-    return {
+    update = rollouts.update(version)
+    row = {
         "weight_sync_s": time.perf_counter() - t,
         "push_s": push["push_s"],
         "push_bytes": push["bytes_written"],
         "push_bytes_reused": push["bytes_reused"],
-        "update_s": update["update_s"],
+        **update,
     }
+    if rollouts.ahead:
+        row["update_wait_s"] = waited
+    return row
 
 
 class TrainingHealth:
