@@ -1,4 +1,4 @@
-"""End-to-end benchmark: ``python -m bench.e2e [--steps 150] [--systems rlsys,trl]``.
+"""End-to-end benchmark: ``python -m bench.e2e [--steps 150] [--systems rlsys,rlsys-async,trl]``.
 
 Our GRPO (``python -m apps.grpo``) against TRL's ``GRPOTrainer`` (``bench/trl_grpo.py``), one
 after the other in one run on this machine, on the embedded tiny model and the arithmetic task
@@ -17,7 +17,12 @@ the same order, the same number of steps. Each system runs in a process of its o
 - ``peak_rss_mib``: the peak of the summed RSS of the process and all its children (ours: Ray's
   processes, the vLLM engine, Redis), sampled every 0.2 s;
 - ours also: the median of each phase (``gen_s``, ``reward_s``, ``train_s``, ``push_s``,
-  ``update_s``), which says where a step's time goes.
+  ``update_s``), which says where a step's time goes, and how busy each side is (median over
+  steps of the policy's generation + update time, and of the trainer's train + push time, over
+  the step's wall time).
+
+Systems: ``rlsys`` (``mode=sync``), ``rlsys-async`` (``mode=async algo.max_staleness=1``: the
+next batch is sampled while a step trains) and ``trl``.
 
 Needs the ``bench`` extra (TRL): ``pip install -e '.[bench]'``. Prints a table and writes
 ``bench/results/e2e.json`` (a list, one object per system and scale).
@@ -43,7 +48,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "e2e.json"
-PHASES = ("gen_s", "reward_s", "train_s", "push_s", "update_s")
+PHASES = ("gen_s", "gen_engine_s", "reward_s", "train_s", "push_s", "update_s")
 TRL_LOSS = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum_norm": "dr_grpo"}
 
 
@@ -131,21 +136,29 @@ def scales(names: list[str], steps: int, steps_136m: int) -> list[Scale]:
     return out
 
 
-def run_ours(work: Path, scale: Scale) -> dict:
+OURS = {"rlsys": [], "rlsys-async": ["mode=async", "algo.max_staleness=1"]}  # system -> apps.grpo overrides
+
+
+def run_ours(work: Path, scale: Scale, system: str = "rlsys") -> dict:
     out = work / "outputs"
-    name = f"rlsys-{scale.name}"
+    name = f"{system}-{scale.name}"
     wall_s, peak = run_measured(
-        [sys.executable, "-m", "apps.grpo", *scale.overrides(), f"output_dir={out}", f"run_name={name}"],
+        [sys.executable, "-m", "apps.grpo", *scale.overrides(), *OURS[system], f"output_dir={out}", f"run_name={name}"],
         work / f"{name}.log",
     )
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     steps_rows = [r for r in rows if not r.get("final")]
     step_s = [r["step_s"] for r in steps_rows]
+    busy = {
+        "policy": statistics.median((r["gen_engine_s"] + r.get("update_s", 0.0)) / r["step_s"] for r in steps_rows),
+        "trainer": statistics.median((r["train_s"] + r["push_s"]) / r["step_s"] for r in steps_rows),
+    }
     return {
-        "mode": "sync, vLLM generation",
+        "mode": ("async, max_staleness 1" if system == "rlsys-async" else "sync") + ", vLLM generation",
         "step_s": step_s,
         "completion_len_mean": statistics.mean(r["completion_len_mean"] for r in steps_rows),
-        "phases": {k: statistics.median(r[k] for r in steps_rows) for k in PHASES},
+        "phases": {k: statistics.median(r[k] for r in steps_rows if k in r) for k in PHASES},
+        "busy": busy,
         "wall_s": wall_s,
         "train_s": sum(step_s),
         "peak_rss": peak,
@@ -210,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scales", default="tiny,136m")
     parser.add_argument("--steps", type=int, default=150, help="steps at the tiny scale")
     parser.add_argument("--steps-136m", type=int, default=6)
-    parser.add_argument("--systems", default="rlsys,trl")
+    parser.add_argument("--systems", default="rlsys,rlsys-async,trl")
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench-e2e"), help="logs and models (replaced)")
     args = parser.parse_args(argv)
     systems = args.systems.split(",")
+    unknown = set(systems) - {*OURS, "trl"}
+    if unknown:
+        print(f"bench.e2e: unknown systems {sorted(unknown)}; systems: {', '.join([*OURS, 'trl'])}", file=sys.stderr)
+        return 2
     if "trl" in systems:
         try:
             import trl  # noqa: F401
@@ -233,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         per_step = cfg.prompts_per_step * cfg.algo.group_size
         for system in systems:
             print(f"bench.e2e: {system} at {scale.name} scale, {scale.steps} steps...", flush=True)
-            result = run_ours(work, scale) if system == "rlsys" else run_trl(work, scale, model_path)
+            result = run_ours(work, scale, system) if system in OURS else run_trl(work, scale, model_path)
             median = statistics.median(result["step_s"])
             rows.append(
                 {
@@ -251,15 +268,16 @@ def main(argv: list[str] | None = None) -> int:
                     "heldout_accuracy": heldout_accuracy(result["model_dir"]) if scale.accuracy else None,
                     "peak_rss_mib": round(result["peak_rss"] / 2**20),
                     "median_phase_s": result["phases"],
+                    "busy_fraction": result.get("busy"),
                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                 }
             )
     print(table(rows))
     for r in rows:
         if r["median_phase_s"]:
-            print(
-                f"{r['system']} median phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["median_phase_s"].items())
-            )
+            busy = ", ".join(f"{side} {share:.0%}" for side, share in r["busy_fraction"].items())
+            phases = ", ".join(f"{k} {v:.3f}" for k, v in r["median_phase_s"].items())
+            print(f"{r['system']} {r['scale']} median phases (s): {phases}; busy: {busy}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"wrote {RESULTS}")
