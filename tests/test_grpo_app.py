@@ -389,6 +389,26 @@ def test_async_run_trains_on_batches_sampled_while_earlier_steps_trained(tmp_pat
     assert final["final"] is True and final["policy_version"] == 6 and "eval_accuracy" in steps[3]
     assert not any((tmp_path / "shm").glob("ws-*"))
 
+    # Resumed for two more steps: the policy loads the checkpoint's version and the batches are
+    # requested again from the data cursor (the ones in flight at the end were never trained on).
+    proc = _run_app(
+        "mode=async",
+        "algo.max_staleness=2",
+        "steps=8",
+        "eval_every=3",
+        "prompts_per_step=8",
+        "algo.group_size=4",
+        "trainer.lr=1e-4",
+        f"output_dir={tmp_path}",
+        "run_name=async",
+        "resume=true",
+        f"weightsync.shm_root={tmp_path / 'shm'}",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows[:-1]] == list(range(8)) and rows[-1]["policy_version"] == 8
+    assert [(r["policy_version"], r["staleness"]) for r in rows[6:8]] == [(6, 0), (6, 1)]
+
 
 @pytest.mark.slow
 def test_grpo_run_with_loss_variants(tmp_path, tiny_model_path):
