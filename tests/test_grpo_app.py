@@ -558,7 +558,7 @@ TIMING_KEYS = {
     "completions_per_s",
     "train_tokens_per_s",
     "eval_s",
-} | {f"{phase}_s" for phase in ("gen", "reward", "reference", "critic", "train", "critic_train")}
+} | {f"{phase}_s" for phase in ("gen", "gen_engine", "reward", "reference", "critic", "train", "critic_train")}
 
 
 @pytest.mark.slow

@@ -72,7 +72,10 @@ def test_an_update_queued_behind_requests_reaches_the_engine_between_them(
                 for sample in group:
                     want = _completion_logprobs(model, prompt_ids, sample.token_ids)
                     assert max(abs(x - y) for x, y in zip(sample.logprobs, want, strict=True)) < 1e-3
-    finally:  # leave the shared engine as the session found it
+    finally:  # leave the shared engine and its store as the session found them (later tests
+        # push low version numbers, which versions 101-103 left committed would retire at once)
         pusher.push(load_causal_lm(tiny_model_path).state_dict(), 103)
         ray_session.get(policy.update_weights.remote(103))
+        pusher.remove_all()
+        store.clear_run()
         store.close()
