@@ -363,10 +363,9 @@ def test_async_run_trains_on_batches_sampled_while_earlier_steps_trained(tmp_pat
     """mode=async with max_staleness=2: steps 0-2 are requested up front (version 0), then each
     step asks for the batch two steps ahead, sampled by the version loaded just before it; the
     generation of later steps overlaps training, so the loop hardly waits for it."""
-    proc = _run_app(
+    settings = [
         "mode=async",
         "algo.max_staleness=2",
-        "steps=6",
         "eval_every=3",
         "prompts_per_step=8",
         "algo.group_size=4",
@@ -374,7 +373,8 @@ def test_async_run_trains_on_batches_sampled_while_earlier_steps_trained(tmp_pat
         f"output_dir={tmp_path}",
         "run_name=async",
         f"weightsync.shm_root={tmp_path / 'shm'}",
-    )
+    ]
+    proc = _run_app(*settings, "steps=6")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
     steps, final = rows[:-1], rows[-1]
@@ -391,19 +391,7 @@ def test_async_run_trains_on_batches_sampled_while_earlier_steps_trained(tmp_pat
 
     # Resumed for two more steps: the policy loads the checkpoint's version and the batches are
     # requested again from the data cursor (the ones in flight at the end were never trained on).
-    proc = _run_app(
-        "mode=async",
-        "algo.max_staleness=2",
-        "steps=8",
-        "eval_every=3",
-        "prompts_per_step=8",
-        "algo.group_size=4",
-        "trainer.lr=1e-4",
-        f"output_dir={tmp_path}",
-        "run_name=async",
-        "resume=true",
-        f"weightsync.shm_root={tmp_path / 'shm'}",
-    )
+    proc = _run_app(*settings, "steps=8", "resume=true")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows[:-1]] == list(range(8)) and rows[-1]["policy_version"] == 8

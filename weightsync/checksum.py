@@ -158,11 +158,11 @@ def coefficients(seed: int, n: int) -> torch.Tensor:
     return have[:n]
 
 
-def _words(raw: torch.Tensor, word: int) -> np.ndarray:
+def _words(raw: torch.Tensor, word: int) -> torch.Tensor:
     """``raw`` (uint8, last dim contiguous) seen as signed ``word``-byte integers, copied if misaligned."""
     if raw.data_ptr() % word or any(s % word for s in raw.stride()[:-1]):
         raw = raw.clone()
-    return raw.view(_WORD_DTYPES[word]).numpy()
+    return raw.view(_WORD_DTYPES[word])
 
 
 def region_hashes(raw: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -174,7 +174,7 @@ def region_hashes(raw: torch.Tensor, grid: Grid) -> torch.Tensor:
     fast as torch's multiply-and-sum on an idle core and does not collapse, as torch's OpenMP
     threads do, when the cores are oversubscribed (measured 0.1 vs 4 s per GiB here then).
     """
-    words = _words(raw, grid.word)
+    words = _words(raw, grid.word).numpy()
     rows, cols = words.shape
     band = grid.band_cols * grid.elem // grid.word
     out = np.empty((-(-rows // grid.block_rows), -(-cols // band)), dtype=np.int64)
@@ -229,9 +229,7 @@ def region_hashes_torch(raw: torch.Tensor, grid: Grid, batch_bytes: int = 256 * 
     matmul, hence a multiply and a sum; ``batch_bytes`` bounds the int64 temporaries. Returns
     a tensor on ``raw``'s device, shaped (row blocks, bands).
     """
-    if raw.data_ptr() % grid.word or any(s % grid.word for s in raw.stride()[:-1]):
-        raw = raw.clone()
-    words = raw.view(_WORD_DTYPES[grid.word])
+    words = _words(raw, grid.word)
     rows, cols = words.shape
     band = grid.band_cols * grid.elem // grid.word
     out = torch.empty((-(-rows // grid.block_rows), -(-cols // band)), dtype=torch.int64, device=raw.device)

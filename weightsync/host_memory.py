@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -52,7 +52,6 @@ class MappedFile:
     map: mmap.mmap
     bytes: torch.Tensor
     registered: bool = False
-    uses: int = field(default=0)
 
     @classmethod
     def open(cls, path: str, register: bool) -> MappedFile:
@@ -112,7 +111,6 @@ class MappedFiles:
                 del self._maps[key]
                 self._maps[mapped.key] = mapped
         mapped.path = path
-        mapped.uses += 1
         return mapped
 
     def prune(self) -> None:

@@ -146,8 +146,6 @@ class _DeviceCopies:
         self._free[k] = event
 
     def finish(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.compute)
-        torch.cuda.current_stream(self.device).wait_stream(self.copy)
         self.compute.synchronize()
         self.copy.synchronize()
 

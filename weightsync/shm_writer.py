@@ -359,16 +359,18 @@ class ShmSafetensorsWriter(HuggingFaceStorageWriter):
         self.shard_index = plan.storage_data["shard_index"]  # rank + 1
         self.shard_name = file_name = shard_file_name(self.shard_index)
         items = []
+        pinned = False  # device tensors copied to pinned host memory, to wait for
         for item in plan.items:
             tensor = planner.resolve_data(item)
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{item.index.fqn}: weight sync writes tensors only")
             if tensor.device.type != "cpu" and self.mappings is None:
                 tensor = _pinned_copy(tensor)  # Redis or delta sync from a GPU: through host memory
+                pinned = True
             tensor = tensor.detach().contiguous()
             items.append((item, list(item.tensor_data.chunk.offsets), tensor))
             self.layouts[item.index.fqn] = (items[-1][1], list(tensor.shape), tensor.dtype)
-        if torch.cuda.is_initialized():
+        if pinned:
             torch.cuda.synchronize()  # the pinned copies have landed
         # Which rows of each chunk to write, and which pieces of the base describe the rest;
         # with element patches, which chunks stay on their base.
