@@ -10,6 +10,8 @@ POLICY_DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass
 class PolicyConfig:
     tp: int
+    replicas: int  # independent engines, each with its own tp workers
+    max_restarts: int  # times Ray restarts a replica whose process died
     dtype: str  # auto: float32 on CPU, bfloat16 on GPUs (the launcher resolves it)
     max_model_len: int
     kv_cache_mib: int
@@ -21,6 +23,8 @@ class PolicyConfig:
     def rules(self) -> list[tuple[bool, str, str]]:
         return [
             (self.tp >= 1, "tp", "an integer >= 1"),
+            (self.replicas >= 1, "replicas", "an integer >= 1"),
+            (self.max_restarts >= 0, "max_restarts", "an integer >= 0"),
             (self.dtype in POLICY_DTYPES, "dtype", f"one of {list(POLICY_DTYPES)}"),
             (self.max_model_len >= 2, "max_model_len", "an integer >= 2"),
             (self.kv_cache_mib >= 1, "kv_cache_mib", "an integer >= 1"),

@@ -7,7 +7,9 @@ CPUWorkers") where there are fewer NUMA nodes than workers: on most single-socke
 ``policy.tp`` above 1. There ``tp_thread_binding`` splits the CPUs this process may use among
 the workers as vLLM's ``auto`` would split NUMA nodes: one logical CPU per physical core (SMT
 siblings left out, as vLLM does on x86), contiguous equal shares, and one core of each share
-kept back for the engine's other processes when there are cores to spare.
+kept back for the engine's other processes when there are cores to spare. With
+``policy.replicas`` engines on one host it splits the cores among all their workers the same
+way, each engine binding only its own shares.
 """
 
 from __future__ import annotations
@@ -23,27 +25,34 @@ class LogicalCPU(Protocol):
     numa_node: int
 
 
-def tp_thread_binding(tp: int, cpus: list[LogicalCPU], numa_nodes: list[int]) -> str | None:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` workers on ``cpus`` (this process's allowed CPUs)
-    and ``numa_nodes`` (the visible memory nodes); None where vLLM's ``auto`` works (tp 1, or a
-    NUMA node per worker). Raises ``ValueError`` when there are fewer physical cores than
-    workers (threads of two workers on one core would stall each other at every step)."""
-    if tp <= 1 or len(numa_nodes) >= tp:
+def tp_thread_binding(
+    tp: int, cpus: list[LogicalCPU], numa_nodes: list[int], replica: int = 0, replicas: int = 1
+) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for the ``tp`` workers of engine ``replica`` of ``replicas``
+    on ``cpus`` (this process's allowed CPUs) and ``numa_nodes`` (the visible memory nodes); None
+    where vLLM's ``auto`` works (one engine with tp 1, or a NUMA node per worker). Several engines
+    on one host split the cores among all their workers, each engine taking its own shares (vLLM's
+    ``auto`` would bind every engine to the same cores). Raises ``ValueError`` when there are
+    fewer physical cores than workers (threads of two workers on one core would stall each other
+    at every step)."""
+    workers = tp * replicas
+    if replicas == 1 and (tp <= 1 or len(numa_nodes) >= tp):
         return None
     first_of_core: dict[tuple[int, int], int] = {}
     for cpu in sorted(cpus, key=lambda c: c.id):
         first_of_core.setdefault((cpu.numa_node, cpu.physical_core), cpu.id)
     cores = [cpu_id for (numa, _), cpu_id in sorted(first_of_core.items(), key=lambda kv: (kv[0][0], kv[1]))]
-    if len(cores) < tp:
+    if len(cores) < workers:
+        what = f"policy.tp={tp}" if replicas == 1 else f"policy.replicas={replicas} x policy.tp={tp}"
         raise ValueError(
-            f"policy.tp={tp} needs a CPU core for each of its {tp} workers, and this process may use "
-            f"{len(cores)} ({_ids(cores)}). Lower policy.tp, or bind by hand with "
+            f"{what} needs a CPU core for each of its {workers} workers, and this process may use "
+            f"{len(cores)} ({_ids(cores)}). Lower policy.tp or policy.replicas, or bind by hand with "
             "policy.omp_threads_bind (one CPU list per worker, e.g. '0|1')."
         )
-    share = len(cores) // tp
+    share = len(cores) // workers
     keep_back = 1 if share > 1 else 0  # vLLM's auto keeps one core per worker for its scheduler
-    groups = [cores[i * share : (i + 1) * share - keep_back] for i in range(tp)]
-    return "|".join(_ids(group) for group in groups)
+    groups = [cores[i * share : (i + 1) * share - keep_back] for i in range(workers)]
+    return "|".join(_ids(group) for group in groups[replica * tp : (replica + 1) * tp])
 
 
 def _ids(ids: list[int]) -> str:

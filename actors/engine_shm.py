@@ -190,9 +190,16 @@ def _remove(paths) -> int:
 
 def remove_recorded(record: str | Path) -> int:
     """Remove the engine files listed in ``record`` (those that still exist) and the record
-    itself; returns the bytes freed. Entries that are neither /dev/shm files with vLLM's prefixes
-    nor engine socket folders are ignored (the record is data, not a list of things to delete at will)."""
+    itself; returns the bytes freed. ``record`` may also be a folder of records (one per policy
+    replica), each acted on, then the folder removed. Entries that are neither /dev/shm files
+    with vLLM's prefixes nor engine socket folders are ignored (the record is data, not a list of
+    things to delete at will)."""
     record = Path(record)
+    if record.is_dir() and not record.is_symlink():
+        freed = sum(remove_recorded(one) for one in sorted(record.glob("*.json")))
+        with contextlib.suppress(OSError):
+            record.rmdir()
+        return freed
     try:
         names = json.loads(record.read_text())
     except (OSError, ValueError):

@@ -11,7 +11,7 @@ import ray
 
 from actors.config import PolicyConfig
 from actors.engine_errors import engine_start_error, is_engine_start_failure, log_sizes, own_logs
-from actors.engine_shm import EngineFileRecord, private_ipc_dir, remove_ipc_dir
+from actors.engine_shm import EngineFileRecord, private_ipc_dir, remove_ipc_dir, remove_recorded
 from actors.modeling import check_model_dir
 from weightsync.store import WeightStore
 
@@ -41,8 +41,13 @@ class Completion(NamedTuple):
 class Generation:
     prompt_ids: list[list[int]]  # each prompt's tokens, as the engine tokenised it
     samples: list[list[Sample]]  # each prompt's samples
-    version: int  # the weights version that produced them
-    seconds: float = 0.0  # spent in the engine, from the request to the last sample
+    versions: list[int]  # each prompt's: the weights version that produced its samples
+    seconds: float = 0.0  # spent in the engine(s), from the request to the last sample
+
+    @property
+    def version(self) -> int:
+        """The oldest version among the prompts' (all equal when one engine sampled them)."""
+        return min(self.versions)
 
 
 @ray.remote(num_cpus=0)
@@ -55,6 +60,7 @@ class Policy:
         config: PolicyConfig,
         *,
         replica: str = "policy-0",
+        cpu_share: tuple[int, int] = (0, 1),
         seed: int = 0,
         verify: bool = True,
         engine_files_record: str | None = None,
@@ -63,18 +69,23 @@ class Policy:
         check the tile checksums of every slice read in an update. ``engine_files_record``: a
         JSON file where the engine's shared-memory files are listed while it starts, for the
         launcher to remove if this actor dies before it stops the engine
-        (``actors.engine_shm``); None: not recorded."""
+        (``actors.engine_shm``); None: not recorded. A record left there by an earlier
+        process of this replica (one that died and that Ray restarted) is acted on first.
+        ``cpu_share``: (this replica's index, replicas on its host): on vLLM-cpu each replica
+        binds its workers to its own share of the cores (``actors.cpu_binding``)."""
         check_model_dir(model_path)  # here, on this actor's host (see actors.modeling)
         self.config = config
         self.verify = verify
         if config.omp_threads_bind:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.omp_threads_bind
         else:
-            _bind_tp_workers_on_cpu(config.tp)
+            _bind_tp_workers_on_cpu(config.tp, *cpu_share)
         # The engine's ZeroMQ sockets go to a folder of its own, removed when it stops (vLLM
         # leaves them in the temp folder otherwise; see actors.engine_shm).
         self.ipc_dir = private_ipc_dir()
         os.environ["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
+        if engine_files_record:
+            remove_recorded(engine_files_record)  # what a killed earlier process of this replica left
         self.engine_files = EngineFileRecord(engine_files_record, ipc_dir=self.ipc_dir) if engine_files_record else None
         from vllm import LLM
 
@@ -144,7 +155,10 @@ class Policy:
                 group.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason == "stop"))
             samples.append(group)
         return Generation(
-            [list(o.prompt_token_ids) for o in outputs], samples, self.version, time.perf_counter() - start
+            [list(o.prompt_token_ids) for o in outputs],
+            samples,
+            [self.version] * len(outputs),
+            time.perf_counter() - start,
         )
 
     def greedy(self, prompts: list[str], max_tokens: int | None = None) -> list[Completion]:
@@ -170,6 +184,10 @@ class Policy:
             [None if step is None else step[tok].logprob for tok, step in zip(ids, o.prompt_logprobs)]
             for ids, o in zip(token_ids, outputs)
         ]
+
+    def status(self) -> dict:
+        """This replica's name and loaded version (answers once its engine has started)."""
+        return {"replica": self.replica, "version": self.version, "pid": os.getpid()}
 
     def update_weights(self, version: int) -> dict:
         """Load ``version`` from the store into every worker, in place.
@@ -220,11 +238,12 @@ class Policy:
         remove_ipc_dir(self.ipc_dir)
 
 
-def _bind_tp_workers_on_cpu(tp: int) -> None:
+def _bind_tp_workers_on_cpu(tp: int, replica: int, replicas: int) -> None:
     """On vLLM-cpu, give each TP worker its own share of this machine's cores where vLLM's
-    ``auto`` binding would refuse (fewer NUMA nodes than workers; see ``actors.cpu_binding``).
-    A ``VLLM_CPU_OMP_THREADS_BIND`` set by the user other than ``auto`` is left alone."""
-    if tp <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+    ``auto`` binding would refuse (fewer NUMA nodes than workers) or would bind several replicas'
+    workers to the same cores (see ``actors.cpu_binding``). A ``VLLM_CPU_OMP_THREADS_BIND`` set
+    by the user other than ``auto`` is left alone."""
+    if tp * replicas <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
         return
     from vllm.platforms import current_platform
 
@@ -234,6 +253,6 @@ def _bind_tp_workers_on_cpu(tp: int) -> None:
 
     from actors.cpu_binding import tp_thread_binding
 
-    binding = tp_thread_binding(tp, cpus.get_allowed_cpu_list(), cpus.get_visible_memory_node())
+    binding = tp_thread_binding(tp, cpus.get_allowed_cpu_list(), cpus.get_visible_memory_node(), replica, replicas)
     if binding is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding

@@ -76,6 +76,17 @@ def test_a_record_can_only_remove_engine_files(tmp_path):
     assert remove_recorded(tmp_path / "no-such-record.json") == 0
 
 
+def test_a_folder_of_records_removes_each_replicas_files_and_then_itself(tmp_path):
+    folder = tmp_path / "engine-files"
+    folder.mkdir()
+    files = [Path("/dev/shm") / f"psm_test_{i}_{time.monotonic_ns()}" for i in range(2)]
+    for i, path in enumerate(files):
+        path.write_bytes(b"z" * (3 + i))
+        (folder / f"policy-{i}.json").write_text(json.dumps([str(path)]))
+    assert remove_recorded(folder) == 7
+    assert not any(path.exists() for path in files) and not folder.exists()
+
+
 def _bound_socket(folder: Path) -> Path:
     """A Unix socket file in ``folder``, named and left behind as vLLM's ZeroMQ sockets are."""
     path = folder / str(uuid.uuid4())

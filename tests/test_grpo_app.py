@@ -826,3 +826,81 @@ def test_a_bad_reward_function_is_a_clear_error_before_anything_starts(tmp_path,
         assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert message in proc.stderr and "task.reward_fn" in proc.stderr, proc.stderr
         assert not out.exists()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat_file.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    return ""
+
+
+@pytest.mark.slow
+def test_policy_replicas_killed_mid_run_come_back_with_the_newest_weights(tmp_path, tiny_model_path):
+    """policy.replicas=2 samples each step's batch in two shares; after step 4 both replicas'
+    processes are killed (SIGKILL). Ray restarts them, the run waits for one, which loads the
+    newest version before it samples: every step's samples come from the weights the trainer
+    holds (sync mode: logprob diff ~1e-7; a replica sampling with its start-up weights shows
+    > 1e-3 by then), and the run finishes, leaving no engine files behind."""
+    import signal
+    import time
+
+    psm_before = set(Path("/dev/shm").glob("psm_*"))
+    metrics = tmp_path / "replicas" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "apps.grpo",
+            "policy.replicas=2",
+            "steps=10",
+            "eval_every=0",
+            "prompts_per_step=8",
+            "algo.group_size=4",
+            "trainer.lr=1e-3",
+            f"output_dir={tmp_path}",
+            "run_name=replicas",
+            f"weightsync.shm_root={tmp_path / 'shm'}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 4"
+            time.sleep(0.1)
+        replicas = [pid for pid in _descendants(proc.pid) if _cmdline(pid).startswith("ray::Policy")]
+        assert len(replicas) == 2, [_cmdline(pid) for pid in _descendants(proc.pid)]
+        for pid in replicas:
+            os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps, final = rows[:-1], rows[-1]
+    assert [r["step"] for r in steps] == list(range(10)) and final["final"] is True
+    assert steps[-1]["replica_failures"] == 2 and steps[0]["replica_failures"] == 0
+    assert max(r["logprob_diff_mean"] for r in steps) < 1e-4
+    assert max(r["gen_s"] for r in steps[4:]) > 5  # a step waited for a replica's engine to start again
+    assert "is back after" in out and "died (ActorUnavailableError)" in out
+    assert not any((tmp_path / "shm").glob("ws-*"))
+    assert set(Path("/dev/shm").glob("psm_*")) <= psm_before  # the killed engines' queues too

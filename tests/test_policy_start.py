@@ -47,6 +47,16 @@ def test_vllms_own_binding_is_kept_where_it_works():
     assert tp_thread_binding(2, cpus, [0, 1]) is None  # vLLM's auto: a NUMA node per worker
 
 
+def test_replicas_on_one_host_bind_their_workers_to_shares_of_their_own():
+    two = [CPU(0, 0), CPU(1, 1)]
+    assert [tp_thread_binding(1, two, [0], r, 2) for r in (0, 1)] == ["0", "1"]  # this machine
+    eight = [CPU(i, i) for i in range(8)]
+    assert [tp_thread_binding(2, eight, [0], r, 2) for r in (0, 1)] == ["0|2", "4|6"]
+    assert [tp_thread_binding(1, eight, [0, 1], r, 2) for r in (0, 1)] == ["0-2", "4-6"]  # not auto's shared node
+    with pytest.raises(ValueError, match=r"policy.replicas=3 x policy.tp=1 needs a CPU core for each of its 3"):
+        tp_thread_binding(1, two, [0], 0, 3)
+
+
 def test_more_workers_than_cores_is_refused_with_the_way_out():
     with pytest.raises(
         ValueError, match=r"policy.tp=3 needs a CPU core for each of its 3 workers.*may use 2 \(0,2\).*omp_threads_bind"

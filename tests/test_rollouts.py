@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actors.modeling import load_causal_lm, sequence_token_logprobs
+from actors.policy_replicas import PolicyReplicas
 from algos.episodes import Episode
 from apps.grpo.rollouts import Rollouts
 from tests.configs import make_pusher
@@ -58,7 +59,8 @@ def test_an_update_queued_behind_requests_reaches_the_engine_between_them(
         ray_session.get(policy.update_weights.remote(101))
         pusher.push(b.state_dict(), 102)
         prompts = [SimpleNamespace(prompt=f"{x}+{y}=") for x, y in ((3, 4), (12, 30))]
-        rollouts = Rollouts(policy, iter([prompts] * 3), lambda step, k: 1000 * step, n=4, steps=3, ahead=1)
+        replicas = PolicyReplicas([policy])
+        rollouts = Rollouts(replicas, iter([prompts] * 3), lambda step, k: 1000 * step, n=4, steps=3, ahead=1)
         first = rollouts.take(0)  # requests steps 0 and 1, both ahead of the update
         assert rollouts.before_push() >= 0 and rollouts.update(102) == {}  # queued, not waited for
         second = rollouts.take(1)  # requests step 2, behind the update

@@ -245,7 +245,7 @@ def run(hydra_cfg, console: Console) -> dict:
         actors = start_actors(
             cfg, algorithm, task.scorer, model_path, redis_url, policy_dtype, use_cuda, placement, writers
         )
-        stack.callback(lambda: ray.get(actors.policy.close.remote(), timeout=60))
+        stack.callback(actors.policy.close)
         state = resume_from_checkpoint(actors, out_dir, console) if cfg.resume else None
         result = train(cfg, algorithm, task, actors, out_dir, console, resume=state, trackers=trackers)
         result["hf_dir"] = actors.trainer.export_hf(str((out_dir / "hf").resolve()))

@@ -9,8 +9,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import ray
-
 from actors.rank_groups import RankGroup
 from apps.grpo.config import CheckpointConfig
 from apps.grpo.start import Actors
@@ -114,6 +112,6 @@ def resume_from_checkpoint(actors: Actors, out_dir: Path, console) -> LoopState:
             )
         group.load_checkpoint(str((folder / sub).resolve()))
     actors.trainer.push_weights(state.policy_version)
-    ray.get(actors.policy.update_weights.remote(state.policy_version))
+    actors.policy.update(state.policy_version)
     console.print(f"resumed from {folder} (step {step}, policy version {state.policy_version})")
     return state

@@ -111,6 +111,7 @@ def train(
                 skipped_updates=health.skipped,
                 policy_version=generation.version,
                 staleness=staleness,
+                replica_failures=actors.policy.failures,
                 dropped_stale=len(episodes) - len(batch),
                 gen_s=gen_s,
                 gen_engine_s=generation.seconds,
@@ -139,7 +140,7 @@ def train(
 
 def evaluate(actors: Actors, problems: list[Problem], health: TrainingHealth) -> float:
     """Greedy accuracy on ``problems``, by the task's own verdict (no reward is computed)."""
-    outputs = ray.get(actors.policy.greedy.remote([p.prompt for p in problems]))
+    outputs = actors.policy.greedy([p.prompt for p in problems])
     completions, finished = [c.text for c in outputs], [c.finished for c in outputs]
     scores: Scores = ray.get(actors.reward.score.remote(problems, completions, finished, with_rewards=False))
     health.reward_errors(scores)
@@ -154,11 +155,14 @@ def score(actors: Actors, problems: list[Problem], samples: list[list]) -> Score
 
 
 def to_episodes(generation, rewards: list[float]) -> list[Episode]:
-    """One episode per sample, each prompt's samples together, stamped with the sampling version."""
-    flat = [(ids, s) for ids, group in zip(generation.prompt_ids, generation.samples) for s in group]
-    return [
-        Episode(ids, s.token_ids, s.logprobs, r, generation.version) for (ids, s), r in zip(flat, rewards, strict=True)
+    """One episode per sample, each prompt's samples together, stamped with the version that
+    sampled it (replicas may differ: one that came back after dying holds the newest)."""
+    flat = [
+        (ids, s, v)
+        for ids, group, v in zip(generation.prompt_ids, generation.samples, generation.versions, strict=True)
+        for s in group
     ]
+    return [Episode(ids, s.token_ids, s.logprobs, r, v) for (ids, s, v), r in zip(flat, rewards, strict=True)]
 
 
 def add_reference_and_values(actors: Actors, episodes: list[Episode]) -> dict[str, float]:

@@ -99,7 +99,8 @@ def choose_node(nodes: list[dict], launcher_node: str, gpus: int, launcher_host_
     )
     raise ConfigError(
         f"{why}: the policy and the trainer ranks need {gpus} GPUs on {where} "
-        f"(policy.tp + trainer.ranks), and no such Ray node has that many (GPUs per node: {have}).{hint}"
+        f"(policy.replicas x policy.tp + trainer.ranks), and no such Ray node has that many "
+        f"(GPUs per node: {have}).{hint}"
     )
 
 
@@ -138,7 +139,8 @@ class Placement:
 def plan_placement(cfg, use_cuda: bool, uses_reference: bool, critic_ranks: int) -> Placement:
     """Call with Ray up; raises ``ConfigError`` where the cluster has no room for the run.
     ``uses_reference`` / ``critic_ranks``: what the algorithm needs (0: no critic)."""
-    policy_gpus, trainer_gpus, critic_gpus = (cfg.policy.tp, cfg.trainer.ranks, critic_ranks) if use_cuda else (0, 0, 0)
+    policy_gpus = cfg.policy.tp * cfg.policy.replicas
+    policy_gpus, trainer_gpus, critic_gpus = (policy_gpus, cfg.trainer.ranks, critic_ranks) if use_cuda else (0, 0, 0)
     nodes, launcher_node = ray.nodes(), ray.get_runtime_context().get_node_id()
     # One node for the shm plane / the private Redis.
     where = weight_sync_actor_options(cfg, policy_gpus + trainer_gpus, nodes, launcher_node)

@@ -5,13 +5,15 @@ version is pushed and the loop waits for the policy to load it.
 
 ``mode=async`` (``ahead=d``, ``algo.max_staleness``): the batches of the next ``d`` steps are
 requested before the current step trains, and a pushed version's update is queued without
-waiting. The policy actor runs its calls one at a time in the order they were made, so weight
-updates reach the engine between requests (a batch in flight finishes on the version that started
+waiting. Each policy replica runs its calls one at a time in the order they were made, so weight
+updates reach its engine between requests (a batch in flight finishes on the version that started
 it, and carries that version), and the order of calls is: the batch of step ``k + d``, then the
 update to version ``k + 1``, then the batch of step ``k + d + 1``, ... The batch trained at step
 ``k`` (by the trainer at version ``k``) was sampled by version ``k - d`` or newer: the replay buffer
 checks that bound. Before each push the loop waits until fewer than ``d`` updates are still queued,
 so the policy is never more than ``d`` versions behind the store (which keeps ``keep_last >= d``).
+With ``policy.replicas`` a batch is split among the replicas, each update goes to all of them
+(``actors.policy_replicas``), and a replica that died and came back has loaded the newest version.
 """
 
 from __future__ import annotations
@@ -23,18 +25,21 @@ from dataclasses import dataclass
 
 import ray
 
+from actors.policy import Generation
+from actors.policy_replicas import PendingCall, PolicyReplicas
 from tasks.base import Problem
 
 
 @dataclass
 class Rollout:
     problems: list[Problem]
-    generation: object  # actors.policy.Generation
+    generation: Generation
     wait_s: float  # how long the loop waited for it (all of its generation time in sync mode)
 
 
 class Rollouts:
-    """Requests each step's batch from ``policy`` (``ahead`` steps early) and queues its updates.
+    """Requests each step's batch from the ``policy`` replicas (``ahead`` steps early) and queues
+    their updates.
 
     ``batches``: the task's train batches from the run's data cursor; ``seed_of(step, prompts)``:
     the sampling seed of a step's batch; ``n``: samples per prompt; ``steps``: the run's last step
@@ -43,7 +48,7 @@ class Rollouts:
 
     def __init__(
         self,
-        policy,
+        policy: PolicyReplicas,
         batches: Iterator[list[Problem]],
         seed_of: Callable[[int, int], int],
         n: int,
@@ -56,56 +61,60 @@ class Rollouts:
         self.n = n
         self.steps = steps
         self.ahead = ahead
-        self._requested: deque[tuple[int, list[Problem], ray.ObjectRef]] = deque()
-        self._updates: deque[ray.ObjectRef] = deque()
+        self._requested: deque[tuple[int, list[Problem], PendingCall]] = deque()
+        self._updates: deque[list] = deque()  # each queued update's calls, one per replica
         self._next_step: int | None = None
         self.last_update: dict | None = None  # the result of the update that finished last
 
     def _request(self, step: int) -> None:
         problems = next(self.batches)
-        ref = self.policy.generate.remote([p.prompt for p in problems], self.n, self.seed_of(step, len(problems)))
-        self._requested.append((step, problems, ref))
+        pending = self.policy.submit_generate([p.prompt for p in problems], self.n, self.seed_of(step, len(problems)))
+        self._requested.append((step, problems, pending))
 
     def take(self, step: int) -> Rollout:
         """Step ``step``'s batch, once generated; first requests the batches of the steps up to
         ``step + ahead`` that were not requested yet."""
+        t = time.perf_counter()  # requests wait too when no replica is live (one restarting)
         if self._next_step is None:
             self._next_step = step
         while self._next_step <= min(step + self.ahead, self.steps - 1):
             self._request(self._next_step)
             self._next_step += 1
-        first, problems, ref = self._requested.popleft()
+        first, problems, pending = self._requested.popleft()
         if first != step:
             raise RuntimeError(f"rollouts were requested for step {first}, the loop asked for step {step}")
-        t = time.perf_counter()
-        generation = ray.get(ref)
+        generation = self.policy.generation(pending)
         return Rollout(problems, generation, time.perf_counter() - t)
 
     def update(self, version: int) -> dict:
         """Ask the policy to load ``version`` (just pushed). Sync: waits and returns its
         ``update_s``. Async: queues it and returns the last finished update's, if any."""
-        ref = self.policy.update_weights.remote(version)
+        refs = self.policy.submit_update(version)
         if self.ahead == 0:
-            self.last_update = ray.get(ref)
-            return {"update_s": self.last_update["update_s"]}
-        self._updates.append(ref)
+            self._finished(self.policy.wait_updates(refs))
+            return {} if self.last_update is None else {"update_s": self.last_update["update_s"]}
+        self._updates.append(refs)
         self._collect(wait=False)
         return {} if self.last_update is None else {"update_s": self.last_update["update_s"]}
+
+    def _finished(self, result: dict | None) -> None:
+        if result is not None:  # None: every replica it went to died (they load the newest when back)
+            self.last_update = result
 
     def before_push(self) -> float:
         """Wait until fewer than ``ahead`` updates are queued (the policy then lags the version
         about to be pushed by at most ``ahead``); returns the seconds waited."""
         t = time.perf_counter()
         while self.ahead and len(self._updates) >= self.ahead:
-            self.last_update = ray.get(self._updates.popleft())
+            self._finished(self.policy.wait_updates(self._updates.popleft()))
         return time.perf_counter() - t
 
     def _collect(self, wait: bool) -> None:
         while self._updates:
-            done, _ = ray.wait([self._updates[0]], timeout=None if wait else 0)
-            if not done:
+            refs = self._updates[0]
+            if not wait and refs and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
                 return
-            self.last_update = ray.get(self._updates.popleft())
+            self._finished(self.policy.wait_updates(self._updates.popleft()))
 
     def finish(self) -> None:
         """Wait for every queued update (the policy then holds the newest version)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import ray
 
 from actors.policy import Policy
+from actors.policy_replicas import PolicyReplicas
 from actors.rank_groups import CriticGroup, TrainerGroup
 from actors.reference import Reference
 from actors.replay import ReplayBuffer
@@ -25,7 +26,7 @@ from weightsync.push import run_dir
 
 @dataclass
 class Actors:
-    policy: ray.actor.ActorHandle
+    policy: PolicyReplicas
     trainer: TrainerGroup
     reward: ray.actor.ActorHandle
     replay: ray.actor.ActorHandle
@@ -51,9 +52,10 @@ def final_exception(traceback_text: str) -> str:
 
 
 def engine_files_record(cfg: RunConfig) -> Path:
-    """Where the policy lists its vLLM engine's shared-memory files (``actors.engine_shm``): in
-    the run's shared-memory folder, which the launcher removes at the end."""
-    return run_dir(cfg.weightsync.shm_root, cfg.run_name) / "engine-files.json"
+    """The folder where each policy replica lists its vLLM engine's shared-memory files
+    (``<replica>.json``, see ``actors.engine_shm``): in the run's shared-memory folder, which the
+    launcher removes at the end."""
+    return run_dir(cfg.weightsync.shm_root, cfg.run_name) / "engine-files"
 
 
 def start_actors(
@@ -72,16 +74,24 @@ def start_actors(
     even if this start is interrupted."""
     writers = [] if writers is None else writers
     where = placement.weight_sync
-    policy = Policy.options(num_gpus=cfg.policy.tp if use_cuda else 0, **where).remote(
-        model_path,
-        redis_url,
-        cfg.run_name,
-        dataclasses.replace(cfg.policy, dtype=policy_dtype),
-        seed=cfg.seed,
-        verify=cfg.weightsync.verify,
-        engine_files_record=str(engine_files_record(cfg)),
-    )
-    writers.append(policy)
+    replicas, names = [], [f"policy-{i}" for i in range(cfg.policy.replicas)]
+    for i, name in enumerate(names):
+        replica = Policy.options(
+            num_gpus=cfg.policy.tp if use_cuda else 0, max_restarts=cfg.policy.max_restarts, **where
+        ).remote(
+            model_path,
+            redis_url,
+            cfg.run_name,
+            dataclasses.replace(cfg.policy, dtype=policy_dtype),
+            replica=name,
+            cpu_share=(i, cfg.policy.replicas),
+            seed=cfg.seed + i,  # replicas' engines differ where a request brings no seed of its own
+            verify=cfg.weightsync.verify,
+            engine_files_record=str(engine_files_record(cfg) / f"{name}.json"),
+        )
+        replicas.append(replica)
+        writers.append(replica)
+    policy = PolicyReplicas(replicas, names, max_restarts=cfg.policy.max_restarts)
     trainer = TrainerGroup(
         cfg.trainer,
         model_path,
@@ -96,7 +106,8 @@ def start_actors(
         actor_options=where,
     )
     writers.extend(trainer.ranks)
-    named = {"the policy": policy} | {f"trainer rank {i}": r for i, r in enumerate(trainer.ranks)}
+    named = {"the policy" if len(names) == 1 else f"policy replica {n}": r for n, r in zip(names, replicas)}
+    named |= {f"trainer rank {i}": r for i, r in enumerate(trainer.ranks)}
     critic = None
     if algorithm.uses_critic:
         critic_config, value_loss = algorithm.critic()
