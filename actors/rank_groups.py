@@ -24,11 +24,14 @@ class RankGroup:
         self, actor_class, config: TrainerConfig, *args, use_cuda: bool = False, actor_options: dict | None = None, **kw
     ) -> None:
         """``config.ranks`` actors of ``actor_class`` (one GPU each on CUDA), made with ``(rank,
-        world, *args, **kw)``; ``actor_options``: Ray options for every rank (where to run it).
+        world, *args, **kw)``; ``actor_options``: Ray options for every rank (where to run it; a
+        ``num_gpus`` there replaces the one GPU).
         ``start()`` forms the group."""
         world = config.ranks
         self.ranks = [
-            actor_class.options(num_gpus=1 if use_cuda else 0, **(actor_options or {})).remote(rank, world, *args, **kw)
+            actor_class.options(**{"num_gpus": 1 if use_cuda else 0, **(actor_options or {})}).remote(
+                rank, world, *args, **kw
+            )
             for rank in range(world)
         ]
         self.micro_batch_size = config.micro_batch_size

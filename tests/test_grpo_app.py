@@ -129,6 +129,24 @@ def test_async_mode_needs_a_staleness_bound_and_the_versions_it_lags_kept():
     assert load_config(_compose("mode=async", "algo=ppo", "algo.max_staleness=2")).algo.max_staleness == 2
 
 
+def test_a_colocated_layout_needs_replicas_of_one_gpu():
+    with pytest.raises(
+        ConfigError, match=r"placement.layout='colocated' is invalid: expected separate with policy.tp > 1"
+    ):
+        load_config(_compose("placement.layout=colocated", "policy.tp=2"))
+    assert load_config(_compose("placement.layout=colocated")).placement.policy_fraction == 0.4
+
+
+@pytest.mark.parametrize("name", ["qwen3-1.7b-8gpu", "qwen3-8b-8gpu"])
+def test_the_example_gpu_node_configs_load_and_need_a_model_path(name, tmp_path):
+    register()
+    with initialize_config_dir(str(REPO / "configs"), version_base=None):
+        cfg = load_config(compose(name, overrides=[f"model.path={tmp_path}", "task=dataset", "task.path=x.jsonl"]))
+        assert (cfg.policy.replicas, cfg.policy.tp, cfg.trainer.ranks, cfg.placement.layout) == (2, 2, 4, "separate")
+        with pytest.raises(ConfigError, match="model.path"):
+            load_config(compose(name, overrides=["task=dataset", "task.path=x.jsonl"]))
+
+
 def test_delta_sync_without_checksums_is_refused():
     cfg = _compose("weightsync.checksums=false", "weightsync.verify=false", "weightsync.delta=true")
     with pytest.raises(ConfigError, match="weightsync.delta=.*expected.*checksums"):

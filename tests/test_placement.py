@@ -3,7 +3,8 @@
 import pytest
 
 from apps.grpo.config import ConfigError
-from apps.grpo.placement import choose_node, needs_one_host, pinned_to_launchers_host, reference_gpus
+from apps.grpo.placement import choose_node, needs_one_host, pinned_to_launchers_host, plan_gpus_on, reference_gpus
+from tests.configs import defaults
 from tests.script_run import run_script
 
 
@@ -54,6 +55,39 @@ def test_a_cluster_without_room_on_one_node_is_refused_naming_what_each_node_has
         match=r"^data_plane=shm: .* need 3 GPUs on one node .*a\.\.\. at 10\.0\.0\.1: 2, b\.\.\. at 10\.0\.0\.2: 2",
     ):
         choose_node(nodes, "a", 3, launcher_host_only=False, why="data_plane=shm")
+
+
+def test_the_gpu_plan_uses_the_alive_nodes_and_the_node_the_weight_sync_is_pinned_to():
+    import dataclasses
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    cfg = defaults()
+    cfg = dataclasses.replace(
+        cfg,
+        policy=dataclasses.replace(cfg.policy, replicas=2, tp=2),
+        trainer=dataclasses.replace(cfg.trainer, ranks=2),
+    )
+    a, b, x = "aa" * 28, "bb" * 28, "ee" * 28  # Ray checks that node ids are hex
+    nodes = [node(a, gpus=2), node(x, "10.0.0.5", gpus=8, alive=False), node(b, "10.0.0.2", gpus=8)]
+    pinned = {"scheduling_strategy": NodeAffinitySchedulingStrategy(b, soft=False)}
+    plan = plan_gpus_on(cfg, nodes, pinned, critic_ranks=0, reference=True)
+    assert plan.gpus_per_node == (2, 8) and plan.weight_sync_node == 1  # the dead node is not counted
+    assert [(a.name, a.node, a.gpus) for a in plan.actors] == [
+        ("trainer0", 1, (0,)),
+        ("trainer1", 1, (1,)),
+        ("policy0", 1, (2, 3)),
+        ("policy1", 1, (4, 5)),
+        ("reference0", 0, (0,)),
+    ]
+    with pytest.raises(ConfigError, match=r"need 6 GPUs with placement.layout=separate on one node"):
+        plan_gpus_on(
+            cfg,
+            [node(a, gpus=4), node(b, "10.0.0.2", gpus=4)],
+            {"scheduling_strategy": NodeAffinitySchedulingStrategy(a, soft=False)},
+            0,
+            False,
+        )
 
 
 def test_whether_the_pinned_node_is_on_the_launchers_host():

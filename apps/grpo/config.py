@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from actors.config import PolicyConfig
 from algos.base import AlgoConfig, algorithm_class
 from algos.train_config import TrainerConfig
+from apps.grpo.gpu_layout import PlacementConfig
 from apps.grpo.trackers import WandbConfig, logger_names
 from tasks.base import TaskConfig, task_class
 from validation.config import ConfigError, check_config
@@ -90,6 +91,7 @@ class RunConfig:
     ray: RayConfig
     weightsync: WeightSyncConfig
     checkpoint: CheckpointConfig
+    placement: PlacementConfig
     logger: Any  # [], a name or a list of names (apps/grpo/trackers.py)
     wandb: WandbConfig
 
@@ -109,6 +111,12 @@ class RunConfig:
                 "weightsync.keep_last",
                 f"at least algo.max_staleness ({self.algo.max_staleness}) with mode=async (the versions the "
                 "policy has yet to load stay in the store)",
+            ),
+            (
+                self.placement.layout != "colocated" or self.policy.tp == 1,
+                "placement.layout",
+                "separate with policy.tp > 1 (a colocated replica shares one GPU with a trainer rank, "
+                "through Ray's fractional GPUs, which exist only below one GPU)",
             ),
             (self.eval_every >= 0, "eval_every", "an integer >= 0 (0: only before and after training)"),
             (

@@ -27,6 +27,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from apps.grpo.config import ConfigError
+from apps.grpo.gpu_layout import GpuPlan, plan_gpus, render_plan
 
 
 def cluster_gpu_count() -> int:
@@ -134,13 +135,22 @@ class Placement:
     on_launchers_host: bool  # those actors run on the launcher's host (its /dev/shm is theirs)
     reference_gpus: int  # 0 or 1
     notices: tuple[str, ...] = ()
+    replica_gpus: float = 0.0  # Ray's num_gpus for each policy replica
+    rank_gpus: float = 0.0  # and for each trainer rank
+    policy_memory_fraction: float | None = None  # colocated: vLLM's gpu_memory_utilization
 
 
 def plan_placement(cfg, use_cuda: bool, uses_reference: bool, critic_ranks: int) -> Placement:
     """Call with Ray up; raises ``ConfigError`` where the cluster has no room for the run.
-    ``uses_reference`` / ``critic_ranks``: what the algorithm needs (0: no critic)."""
-    policy_gpus = cfg.policy.tp * cfg.policy.replicas
-    policy_gpus, trainer_gpus, critic_gpus = (policy_gpus, cfg.trainer.ranks, critic_ranks) if use_cuda else (0, 0, 0)
+    ``uses_reference`` / ``critic_ranks``: what the algorithm needs (0: no critic).
+
+    On GPUs the plan of every GPU (``apps.grpo.gpu_layout``) is made and printed: with
+    ``placement.layout=separate`` each replica asks Ray for ``policy.tp`` GPUs and each rank for
+    one; with ``colocated`` (``policy.tp=1``) a replica asks for ``placement.policy_fraction`` of
+    a GPU and each trainer rank for the rest, so Ray puts each replica on a rank's GPU."""
+    colocated = cfg.placement.layout == "colocated"
+    replicas_gpus = 0 if colocated else cfg.policy.tp * cfg.policy.replicas
+    policy_gpus, trainer_gpus, critic_gpus = (replicas_gpus, cfg.trainer.ranks, critic_ranks) if use_cuda else (0, 0, 0)
     nodes, launcher_node = ray.nodes(), ray.get_runtime_context().get_node_id()
     # One node for the shm plane / the private Redis.
     where = weight_sync_actor_options(cfg, policy_gpus + trainer_gpus, nodes, launcher_node)
@@ -154,4 +164,34 @@ def plan_placement(cfg, use_cuda: bool, uses_reference: bool, critic_ranks: int)
     if uses_reference:
         ref_gpus, why = reference_gpus(cfg.algo.reference_device, cluster_gpus, policy_gpus, trainer_gpus, critic_gpus)
     here = pinned_to_launchers_host(where, nodes, launcher_node)
-    return Placement(where, here, ref_gpus, (why,) if why else ())
+    notices = (why,) if why else ()
+    if not use_cuda:
+        return Placement(where, here, ref_gpus, notices)
+    gpu_plan = plan_gpus_on(cfg, nodes, where, critic_ranks, bool(ref_gpus))
+    notices += (render_plan(gpu_plan),)
+    if colocated:
+        fraction = cfg.placement.policy_fraction
+        return Placement(where, here, ref_gpus, notices, fraction, 1 - fraction, fraction)
+    return Placement(where, here, ref_gpus, notices, float(cfg.policy.tp), 1.0)
+
+
+def plan_gpus_on(cfg, nodes: list[dict], where: dict, critic_ranks: int, reference: bool) -> GpuPlan:
+    """The GPU plan on Ray's alive ``nodes`` (``ray.nodes()``), with the node ``where`` pins the
+    policy and the trainer ranks to, if any."""
+    alive = [n for n in nodes if n["Alive"]]
+    strategy = where.get("scheduling_strategy")
+    pinned = None
+    if isinstance(strategy, NodeAffinitySchedulingStrategy):
+        pinned = next(i for i, n in enumerate(alive) if n["NodeID"] == strategy.node_id)
+    return plan_gpus(
+        [int(n["Resources"].get("GPU", 0)) for n in alive],
+        trainer_ranks=cfg.trainer.ranks,
+        replicas=cfg.policy.replicas,
+        tp=cfg.policy.tp,
+        critic_ranks=critic_ranks,
+        reference=reference,
+        layout=cfg.placement.layout,
+        policy_fraction=cfg.placement.policy_fraction,
+        one_node=pinned is not None,
+        pinned_node=pinned,
+    )

@@ -76,9 +76,7 @@ def start_actors(
     where = placement.weight_sync
     replicas, names = [], [f"policy-{i}" for i in range(cfg.policy.replicas)]
     for i, name in enumerate(names):
-        replica = Policy.options(
-            num_gpus=cfg.policy.tp if use_cuda else 0, max_restarts=cfg.policy.max_restarts, **where
-        ).remote(
+        replica = Policy.options(num_gpus=placement.replica_gpus, max_restarts=cfg.policy.max_restarts, **where).remote(
             model_path,
             redis_url,
             cfg.run_name,
@@ -88,6 +86,7 @@ def start_actors(
             seed=cfg.seed + i,  # replicas' engines differ where a request brings no seed of its own
             verify=cfg.weightsync.verify,
             engine_files_record=str(engine_files_record(cfg) / f"{name}.json"),
+            gpu_memory_fraction=placement.policy_memory_fraction,
         )
         replicas.append(replica)
         writers.append(replica)
@@ -103,7 +102,7 @@ def start_actors(
         total_steps=cfg.steps,
         seed=cfg.seed,
         use_cuda=use_cuda,
-        actor_options=where,
+        actor_options=where | ({"num_gpus": placement.rank_gpus} if use_cuda else {}),
     )
     writers.extend(trainer.ranks)
     named = {"the policy" if len(names) == 1 else f"policy replica {n}": r for n, r in zip(names, replicas)}
