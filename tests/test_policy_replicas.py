@@ -120,3 +120,29 @@ def test_a_replica_killed_mid_batch_has_its_share_sampled_elsewhere_and_loads_th
     ray_session.kill(handles[0], no_restart=True)
     with pytest.raises(NoLivePolicyReplica, match="every policy replica is left out"):
         pool.generation(pool.submit_generate(["x", "y"], 1, seed=0))
+
+
+def test_async_rollouts_with_a_replica_killed_keep_each_batch_within_the_staleness_bound(ray_session):
+    """ahead=1 over two replicas: steps 0 and 1 are requested before version 1's update; one
+    replica dies with its share of step 1, which the other samples after the update it has queued
+    (so that share says version 1, the rest of the step version 0); every later batch is version 1."""
+    from types import SimpleNamespace
+
+    from apps.grpo.rollouts import Rollouts
+
+    fake = _fake_replica_class(ray_session)
+    handles = [fake.options(max_restarts=1).remote(0.3, start_s=2.0) for _ in range(2)]
+    pool = PolicyReplicas(handles, ["a", "b"], max_restarts=1, probe_period_s=0.1)
+    batch = [SimpleNamespace(prompt=f"p{i}") for i in range(4)]
+    rollouts = Rollouts(pool, iter([batch] * 3), lambda step, k: 100 * step, n=1, steps=3, ahead=1)
+    assert rollouts.take(0).generation.versions == [0, 0, 0, 0]
+    rollouts.before_push()
+    rollouts.update(1)
+    ray_session.kill(handles[1], no_restart=False)  # with its share of step 1 in flight or queued
+    second = rollouts.take(1).generation
+    assert second.versions == [0, 0, 1, 1] and pool.failures == 1
+    assert [g[0].text for g in second.samples] == ["p0|100|0", "p1|101|0", "p2|102|1", "p3|103|1"]
+    rollouts.before_push()
+    assert rollouts.take(2).generation.versions == [1, 1, 1, 1]
+    rollouts.finish()
+    assert rollouts.last_update["version"] == 1
