@@ -508,7 +508,7 @@ def test_ctrl_c_while_the_engine_starts_leaves_no_shared_memory(tmp_path, tiny_m
     import signal
 
     shm = tmp_path / "shm"
-    record = shm / "ws-startint" / "engine-files.json"
+    record = shm / "ws-startint" / "engine-files" / "policy-0.json"
 
     def engine_queues() -> list[Path]:  # once the engine has made its message queue: mid-start
         with contextlib.suppress(OSError, ValueError):
