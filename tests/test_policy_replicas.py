@@ -40,13 +40,19 @@ def _fake_replica_class(ray):
     class FakeReplica:
         """The policy's calls, answered from memory: a sample's text says the prompt, the seed it
         was given and the version that 'sampled' it; each call may take ``delay_s``, and starting
-        ``start_s`` (an engine's start: a restarted replica is not back at once)."""
+        ``start_s`` (an engine's start: a restarted replica is not back at once). Numbered calls
+        must come numbered 0, 1, 2, ... in this process (as ``Policy`` admits them)."""
 
         def __init__(self, delay_s: float = 0.0, start_s: float = 0.0) -> None:
             time.sleep(start_s)
-            self.version, self.delay_s, self.calls = 0, delay_s, []
+            self.version, self.delay_s, self.calls, self.admitted = 0, delay_s, [], 0
 
-        def generate(self, prompts, n, seed=None):
+        def _turn(self, seq):
+            assert seq == self.admitted, f"call number {seq}, expected {self.admitted}"
+            self.admitted += 1
+
+        def generate(self, prompts, n, seed=None, seq=None):
+            self._turn(seq)
             time.sleep(self.delay_s)
             self.calls.append(("generate", len(prompts)))
             samples = [
@@ -55,16 +61,18 @@ def _fake_replica_class(ray):
             ]
             return Generation([[0] for _ in prompts], samples, [self.version] * len(prompts), self.delay_s)
 
-        def greedy(self, prompts):
+        def greedy(self, prompts, seq=None):
+            self._turn(seq)
             return [f"{p}@{self.version}" for p in prompts]
 
-        def update_weights(self, version):
-            self.calls.append(("update", version))
+        def update_weights(self, version, in_flight="finish", seq=None):
+            self._turn(seq)
+            self.calls.append(("update", version, in_flight))
             self.version = version
             return {"version": version, "update_s": 0.01}
 
         def status(self):
-            return {"replica": "fake", "version": self.version, "pid": os.getpid()}
+            return {"replica": "fake", "version": self.version, "pid": os.getpid(), "calls": self.admitted}
 
         def log(self):
             return self.calls
@@ -77,16 +85,16 @@ def _fake_replica_class(ray):
 
 def test_a_batch_is_split_with_the_seeds_one_engine_would_use_and_updates_reach_every_replica(ray_session):
     fake = _fake_replica_class(ray_session)
-    pool = PolicyReplicas([fake.remote() for _ in range(3)])
+    pool = PolicyReplicas([fake.remote() for _ in range(3)], in_flight="resample")
     assert pool.update(4)["version"] == 4
     prompts = [f"p{i}" for i in range(7)]
     generation = pool.generation(pool.submit_generate(prompts, 2, seed=100))
     texts = [s.text for group in generation.samples for s in group]
     assert texts == [f"p{i}|{100 + 2 * i + j}|4" for i in range(7) for j in range(2)]
     assert [ray_session.get(r.log.remote()) for r in pool.handles] == [
-        [("update", 4), ("generate", 3)],
-        [("update", 4), ("generate", 2)],
-        [("update", 4), ("generate", 2)],
+        [("update", 4, "resample"), ("generate", 3)],
+        [("update", 4, "resample"), ("generate", 2)],
+        [("update", 4, "resample"), ("generate", 2)],
     ]
     assert pool.greedy(["a", "b"]) == ["a@4", "b@4"]
 
@@ -111,7 +119,7 @@ def test_a_replica_killed_mid_batch_has_its_share_sampled_elsewhere_and_loads_th
     while pool.live() != [0, 1]:
         assert time.monotonic() < deadline, "the killed replica did not come back"
         time.sleep(0.1)
-    assert ray_session.get(handles[1].log.remote()) == [("update", 2)]  # a fresh process: nothing before
+    assert ray_session.get(handles[1].log.remote()) == [("update", 2, "finish")]  # a fresh process: nothing before
     generation = pool.generation(pool.submit_generate(["x", "y"], 1, seed=0))
     assert generation.versions == [2, 2] and [g[0].text for g in generation.samples] == ["x|0|2", "y|1|2"]
 

@@ -4,6 +4,7 @@ logprobs), and the replay buffer's staleness bound."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -78,6 +79,61 @@ def test_an_update_queued_behind_requests_reaches_the_engine_between_them(
         # push low version numbers, which versions 101-103 left committed would retire at once)
         pusher.push(load_causal_lm(tiny_model_path).state_dict(), 103)
         ray_session.get(policy.update_weights.remote(103))
+        pusher.remove_all()
+        store.clear_run()
+        store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("in_flight", ["finish", "resample"])
+def test_an_update_while_requests_are_in_flight_reaches_the_engine_between_them(
+    policy, ray_session, redis_url, tiny_model_path, tmp_path, in_flight
+):
+    """A batch large enough to keep the engine busy, then an update to version B made while its
+    requests are in the engine, then a second batch. ``finish``: the update waits and the whole
+    first batch is version A's; ``resample``: the update aborts what is in flight, and those
+    prompts are sampled again by B (and say so). Either way each prompt's logprobs are those of
+    the version it names, and the batch asked for after the update is B's."""
+    a, b = perturbed_model(tiny_model_path, seed=3), perturbed_model(tiny_model_path, seed=4)
+    store = WeightStore(redis_url, "test-sync")
+    pusher = make_pusher(store, shm_root=tmp_path, keep_last=3)
+    try:
+        pusher.push(a.state_dict(), 201)
+        ray_session.get(policy.update_weights.remote(201))
+        pusher.push(b.state_dict(), 202)
+        status = ray_session.get(policy.status.remote())
+        seq, resampled = status["calls"], status["resampled"]
+        prompts = [f"{x}+{y}=" for x in range(16) for y in range(32)]
+        busy = policy.generate.remote(prompts, 8, 5, seq=seq)
+        deadline = time.monotonic() + 60
+        while ray_session.get(policy.status.remote())["in_engine"] == 0:
+            assert time.monotonic() < deadline, "the batch never reached the engine"
+            time.sleep(0.005)
+        update = policy.update_weights.remote(202, in_flight, seq=seq + 1)
+        after = policy.generate.remote(prompts[:4], 2, 9, seq=seq + 2)
+        first, stats, second = ray_session.get([busy, update, after])
+        assert ray_session.get(policy.status.remote())["in_engine"] == 0
+        assert stats["version"] == 202 and second.versions == [202] * 4
+        now_resampled = ray_session.get(policy.status.remote())["resampled"] - resampled
+        if in_flight == "finish":
+            assert first.versions == [201] * len(prompts) and first.resampled == now_resampled == 0
+            assert stats["in_flight_wait_s"] > 0
+        else:
+            assert (
+                set(first.versions) == {201, 202} and first.versions.count(202) == first.resampled == now_resampled > 0
+            )
+        checked = {201: 0, 202: 0}
+        for prompt_ids, group, version in zip(first.prompt_ids, first.samples, first.versions, strict=True):
+            if checked[version] >= 3:
+                continue
+            checked[version] += 1
+            model = a if version == 201 else b
+            for sample in group:
+                want = _completion_logprobs(model, prompt_ids, sample.token_ids)
+                assert max(abs(x - y) for x, y in zip(sample.logprobs, want, strict=True)) < 1e-3
+    finally:  # as the test above: leave the engine at the initial weights and the store empty
+        pusher.push(load_causal_lm(tiny_model_path).state_dict(), 203)
+        ray_session.get(policy.update_weights.remote(203))
         pusher.remove_all()
         store.clear_run()
         store.close()

@@ -112,6 +112,7 @@ def train(
                 policy_version=generation.version,
                 staleness=staleness,
                 replica_failures=actors.policy.failures,
+                resampled=generation.resampled,
                 dropped_stale=len(episodes) - len(batch),
                 gen_s=gen_s,
                 gen_engine_s=generation.seconds,

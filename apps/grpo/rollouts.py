@@ -5,12 +5,14 @@ version is pushed and the loop waits for the policy to load it.
 
 ``mode=async`` (``ahead=d``, ``algo.max_staleness``): the batches of the next ``d`` steps are
 requested before the current step trains, and a pushed version's update is queued without
-waiting. Each policy replica runs its calls one at a time in the order they were made, so weight
-updates reach its engine between requests (a batch in flight finishes on the version that started
-it, and carries that version), and the order of calls is: the batch of step ``k + d``, then the
-update to version ``k + 1``, then the batch of step ``k + d + 1``, ... The batch trained at step
-``k`` (by the trainer at version ``k``) was sampled by version ``k - d`` or newer: the replay buffer
-checks that bound. Before each push the loop waits until fewer than ``d`` updates are still queued,
+waiting. Each policy replica's engine batches every request in flight (continuous batching) and
+admits calls in the order they were made; a weight update reaches the engine between requests
+(with ``policy.in_flight=finish`` a batch in flight finishes on the version that started it; with
+``resample`` the update aborts it and the new version samples it again), and every prompt carries
+the version that sampled it. The order of calls is: the batch of step ``k + d``, then the update
+to version ``k + 1``, then the batch of step ``k + d + 1``, ... The batch trained at step ``k`` (by
+the trainer at version ``k``) was sampled by version ``k - d`` or newer: the replay buffer checks
+that bound. Before each push the loop waits until fewer than ``d`` updates are still queued,
 so the policy is never more than ``d`` versions behind the store (which keeps ``keep_last >= d``).
 With ``policy.replicas`` a batch is split among the replicas, each update goes to all of them
 (``actors.policy_replicas``), and a replica that died and came back has loaded the newest version.

@@ -90,7 +90,7 @@ def start_actors(
         )
         replicas.append(replica)
         writers.append(replica)
-    policy = PolicyReplicas(replicas, names, max_restarts=cfg.policy.max_restarts)
+    policy = PolicyReplicas(replicas, names, max_restarts=cfg.policy.max_restarts, in_flight=cfg.policy.in_flight)
     trainer = TrainerGroup(
         cfg.trainer,
         model_path,
