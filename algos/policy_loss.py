@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from algos.shared_prefix import causal_lm_logits
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
@@ -157,6 +159,9 @@ class PolicyLoss:
     aggregation: str
     length_normalizer: float
     tis_cap: float | None
+    # Each distinct prompt's forward pass once for the samples that share it (algos.shared_prefix):
+    # the same logits and gradient, less work (trainer.shared_prefix).
+    shared_prefix: bool = True
 
     metric_names = ("kl", "clip_frac", "ratio_mean", "tis_weight_mean", "logprob_diff_mean", "entropy")
     max_metric_names = ("logprob_diff_max",)
@@ -169,7 +174,7 @@ class PolicyLoss:
         if "advantages" not in batch:
             raise ValueError("the policy loss needs every episode's advantages (set by the algorithm)")
         mask = batch["completion_mask"]
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        logits = causal_lm_logits(model, batch, self.shared_prefix).float()
         logprobs = token_logprobs(logits, batch["input_ids"])
         loss, metrics = clipped_policy_loss(
             logprobs,

@@ -23,6 +23,7 @@ class TrainerConfig:
     param_dtype: str
     reduce_dtype: str
     torch_threads: int
+    shared_prefix: bool  # run each distinct prompt once for the samples that share it
     # Updates skipped in a row (non-finite loss or gradient norm) before the run stops.
     max_skipped_steps: int
 

@@ -74,3 +74,22 @@ def test_micro_batches_accumulate_to_the_whole_batch(model, options, micro):
 def test_bad_micro_batch_size_is_an_error(model):
     with pytest.raises(ValueError, match="micro_batch_size"):
         backward(model, _episodes(2), 0, _loss(), -1)
+
+
+@pytest.mark.parametrize("micro", [None, 3])
+def test_the_shared_prefix_pass_gives_the_full_sequences_gradient_and_metrics(model, micro):
+    """Groups of samples of one prompt (as GRPO makes them), some split across micro-batches."""
+    episodes = [
+        Episode(e.prompt_ids, c.completion_ids, c.rollout_logprobs, c.reward, 0, c.advantages, c.ref_logprobs)
+        for e in _episodes(3, seed=1)
+        for c in _episodes(4, seed=len(e.prompt_ids))
+    ]
+    model.zero_grad(set_to_none=True)
+    plain = backward(model, episodes, 0, _loss(shared_prefix=False), micro)
+    plain_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    shared = backward(model, episodes, 0, _loss(shared_prefix=True), micro)
+    for a, b in zip(plain_grads, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    for key in ("loss", "clip_frac", "entropy", "logprob_diff_mean", "logprob_diff_max"):
+        assert shared[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key

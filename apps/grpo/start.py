@@ -96,7 +96,7 @@ def start_actors(
         model_path,
         redis_url,
         cfg.run_name,
-        loss=algorithm.policy_loss(),
+        loss=dataclasses.replace(algorithm.policy_loss(), shared_prefix=cfg.trainer.shared_prefix),
         weightsync=cfg.weightsync,
         sync_dtype=policy_dtype,
         total_steps=cfg.steps,
