@@ -10,6 +10,7 @@ import torch
 from algos.episodes import Episode, collate
 from algos.policy_loss import token_logprobs
 from algos.ppo import token_values
+from algos.shared_prefix import causal_lm_logits
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -143,7 +144,8 @@ def completion_logprobs(model, episodes: list[Episode], pad_id: int) -> list[lis
     """Each episode's completion-token log-probabilities under ``model`` (on the model's device)."""
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in collate(episodes, pad_id).items()}
-    logp = sequence_token_logprobs(model, batch).cpu()
+    logits = causal_lm_logits(model, batch, shared_prefix=True)  # each group's prompt once
+    logp = token_logprobs(logits.float(), batch["input_ids"]).cpu()
     return [
         logp[b, len(e.prompt_ids) : len(e.prompt_ids) + len(e.completion_ids)].tolist() for b, e in enumerate(episodes)
     ]

@@ -62,3 +62,16 @@ def test_a_batch_of_distinct_prompts_and_one_token_completions_also_agrees(tiny_
     shared, *_ = _loss_and_grads(model, batch, shared=True)
     predicts = torch.nn.functional.pad(batch["completion_mask"][:, 1:], (0, 1)) > 0
     assert torch.allclose(shared[predicts], plain[predicts], atol=1e-5)
+
+
+def test_completion_logprobs_for_the_reference_equal_each_episode_run_alone(tiny_model_path):
+    from actors.modeling import completion_logprobs, sequence_token_logprobs
+
+    model = load_causal_lm(tiny_model_path)
+    episodes = _episodes(1)
+    got = completion_logprobs(model, episodes, pad_id=0)
+    for e, logprobs in zip(episodes, got, strict=True):
+        ids = torch.tensor([e.prompt_ids + e.completion_ids])
+        with torch.no_grad():
+            alone = sequence_token_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        assert torch.allclose(torch.tensor(logprobs), alone[0, len(e.prompt_ids) :], atol=1e-5)
