@@ -23,9 +23,11 @@ class TrainerConfig:
     param_dtype: str
     reduce_dtype: str
     torch_threads: int
-    shared_prefix: bool  # run each distinct prompt once for the samples that share it
     # Updates skipped in a row (non-finite loss or gradient norm) before the run stops.
     max_skipped_steps: int
+    # The policy's trainer runs each distinct prompt once for the samples that share it
+    # (algos.shared_prefix); a critic (PPO's algo.critic) runs full sequences and ignores it.
+    shared_prefix: bool = True
 
     def rules(self) -> list[tuple[bool, str, str]]:
         return [
