@@ -46,7 +46,7 @@ class Generation:
     prompt_ids: list[list[int]]  # each prompt's tokens, as the engine tokenised it
     samples: list[list[Sample]]  # each prompt's samples
     versions: list[int]  # each prompt's: the weights version that produced its samples
-    seconds: float = 0.0  # spent in the engine(s), from the request to the last sample
+    seconds: float = 0.0  # spent in the engine(s), from admitting the requests to the last sample
     resampled: int = 0  # prompts an update aborted and the next version sampled again (policy.in_flight)
 
     @property
@@ -228,8 +228,8 @@ class Policy:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        start = time.perf_counter()
         ids, version = await self._admit(len(prompts), seq, resample=True)
+        start = time.perf_counter()  # admitted: the wait for an earlier update is not the engine's
         # vLLM seeds a prompt's n samples seed, seed+1, ...: give each prompt its own range so that
         # different prompts do not share random streams.
         params = [
