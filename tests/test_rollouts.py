@@ -4,6 +4,7 @@ logprobs), and the replay buffer's staleness bound."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -46,19 +47,35 @@ def _completion_logprobs(model, prompt_ids: list[int], token_ids: list[int]) -> 
         return sequence_token_logprobs(model, batch)[0, len(prompt_ids) :].tolist()
 
 
+@contextlib.contextmanager
+def _two_versions(policy, ray, redis_url, model_path, tmp_path, first: int, seeds: tuple[int, int]):
+    """Versions ``first`` (loaded by the shared engine) and ``first + 1`` (pushed, not loaded) of
+    two perturbed models, yielded; afterwards the engine is back at the initial weights (as
+    ``first + 2``) and the store empty (later tests push low version numbers, which high ones
+    left committed would retire at once)."""
+    a, b = perturbed_model(model_path, seed=seeds[0]), perturbed_model(model_path, seed=seeds[1])
+    store = WeightStore(redis_url, "test-sync")
+    pusher = make_pusher(store, shm_root=tmp_path, keep_last=3)
+    try:
+        pusher.push(a.state_dict(), first)
+        ray.get(policy.update_weights.remote(first))
+        pusher.push(b.state_dict(), first + 1)
+        yield a, b
+    finally:
+        pusher.push(load_causal_lm(model_path).state_dict(), first + 2)
+        ray.get(policy.update_weights.remote(first + 2))
+        pusher.remove_all()
+        store.clear_run()
+        store.close()
+
+
 @pytest.mark.slow
 def test_an_update_queued_behind_requests_reaches_the_engine_between_them(
     policy, ray_session, redis_url, tiny_model_path, tmp_path
 ):
     """ahead=1: steps 0 and 1 are requested before version B's update, step 2 after it; each
     batch says the version that sampled it and its logprobs are that version's, per token."""
-    a, b = perturbed_model(tiny_model_path, seed=1), perturbed_model(tiny_model_path, seed=2)
-    store = WeightStore(redis_url, "test-sync")
-    pusher = make_pusher(store, shm_root=tmp_path, keep_last=3)
-    try:
-        pusher.push(a.state_dict(), 101)
-        ray_session.get(policy.update_weights.remote(101))
-        pusher.push(b.state_dict(), 102)
+    with _two_versions(policy, ray_session, redis_url, tiny_model_path, tmp_path, 101, (1, 2)) as (a, b):
         prompts = [SimpleNamespace(prompt=f"{x}+{y}=") for x, y in ((3, 4), (12, 30))]
         replicas = PolicyReplicas([policy])
         rollouts = Rollouts(replicas, iter([prompts] * 3), lambda step, k: 1000 * step, n=4, steps=3, ahead=1)
@@ -75,13 +92,6 @@ def test_an_update_queued_behind_requests_reaches_the_engine_between_them(
                 for sample in group:
                     want = _completion_logprobs(model, prompt_ids, sample.token_ids)
                     assert max(abs(x - y) for x, y in zip(sample.logprobs, want, strict=True)) < 1e-3
-    finally:  # leave the shared engine and its store as the session found them (later tests
-        # push low version numbers, which versions 101-103 left committed would retire at once)
-        pusher.push(load_causal_lm(tiny_model_path).state_dict(), 103)
-        ray_session.get(policy.update_weights.remote(103))
-        pusher.remove_all()
-        store.clear_run()
-        store.close()
 
 
 @pytest.mark.slow
@@ -94,13 +104,7 @@ def test_an_update_while_requests_are_in_flight_reaches_the_engine_between_them(
     first batch is version A's; ``resample``: the update aborts what is in flight, and those
     prompts are sampled again by B (and say so). Either way each prompt's logprobs are those of
     the version it names, and the batch asked for after the update is B's."""
-    a, b = perturbed_model(tiny_model_path, seed=3), perturbed_model(tiny_model_path, seed=4)
-    store = WeightStore(redis_url, "test-sync")
-    pusher = make_pusher(store, shm_root=tmp_path, keep_last=3)
-    try:
-        pusher.push(a.state_dict(), 201)
-        ray_session.get(policy.update_weights.remote(201))
-        pusher.push(b.state_dict(), 202)
+    with _two_versions(policy, ray_session, redis_url, tiny_model_path, tmp_path, 201, (3, 4)) as (a, b):
         status = ray_session.get(policy.status.remote())
         seq, resampled = status["calls"], status["resampled"]
         prompts = [f"{x}+{y}=" for x in range(16) for y in range(32)]
@@ -131,9 +135,3 @@ def test_an_update_while_requests_are_in_flight_reaches_the_engine_between_them(
             for sample in group:
                 want = _completion_logprobs(model, prompt_ids, sample.token_ids)
                 assert max(abs(x - y) for x, y in zip(sample.logprobs, want, strict=True)) < 1e-3
-    finally:  # as the test above: leave the engine at the initial weights and the store empty
-        pusher.push(load_causal_lm(tiny_model_path).state_dict(), 203)
-        ray_session.get(policy.update_weights.remote(203))
-        pusher.remove_all()
-        store.clear_run()
-        store.close()
