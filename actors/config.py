@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICY_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# What a weight update does to the requests in flight (actors.policy.Policy.update_weights).
+IN_FLIGHT_MODES = ("finish", "resample")
 
 
 @dataclass
@@ -31,7 +33,7 @@ class PolicyConfig:
             (self.kv_cache_mib >= 1, "kv_cache_mib", "an integer >= 1"),
             (self.temperature > 0, "temperature", "a number > 0"),
             (self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
-            (self.in_flight in ("finish", "resample"), "in_flight", "one of ['finish', 'resample']"),
+            (self.in_flight in IN_FLIGHT_MODES, "in_flight", f"one of {list(IN_FLIGHT_MODES)}"),
             (
                 self.max_tokens < self.max_model_len,
                 "max_tokens",

@@ -133,10 +133,11 @@ def completion_values(model: ValueModel, episodes: list[Episode], pad_id: int) -
     ]
 
 
-def sequence_token_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-token log-probabilities of ``batch["input_ids"]`` under ``model`` (see ``token_logprobs``)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return token_logprobs(logits.float(), batch["input_ids"])
+def sequence_token_logprobs(model, batch: dict[str, torch.Tensor], shared_prefix: bool = False) -> torch.Tensor:
+    """Per-token log-probabilities of ``batch["input_ids"]`` under ``model`` (see ``token_logprobs``).
+    ``shared_prefix``: only the completion tokens' (``algos.shared_prefix``; the batch needs its
+    ``completion_mask``), each distinct prompt run once."""
+    return token_logprobs(causal_lm_logits(model, batch, shared_prefix).float(), batch["input_ids"])
 
 
 @torch.no_grad()
@@ -144,8 +145,7 @@ def completion_logprobs(model, episodes: list[Episode], pad_id: int) -> list[lis
     """Each episode's completion-token log-probabilities under ``model`` (on the model's device)."""
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in collate(episodes, pad_id).items()}
-    logits = causal_lm_logits(model, batch, shared_prefix=True)  # each group's prompt once
-    logp = token_logprobs(logits.float(), batch["input_ids"]).cpu()
+    logp = sequence_token_logprobs(model, batch, shared_prefix=True).cpu()  # each group's prompt once
     return [
         logp[b, len(e.prompt_ids) : len(e.prompt_ids) + len(e.completion_ids)].tolist() for b, e in enumerate(episodes)
     ]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import ray
 
-from actors.config import PolicyConfig
+from actors.config import IN_FLIGHT_MODES, PolicyConfig
 from actors.engine_errors import engine_start_error, is_engine_start_failure, log_sizes, own_logs
 from actors.engine_shm import EngineFileRecord, private_ipc_dir, remove_ipc_dir, remove_recorded
 from actors.modeling import check_model_dir
@@ -53,9 +53,6 @@ class Generation:
     def version(self) -> int:
         """The oldest version among the prompts' (all equal when one engine sampled them)."""
         return min(self.versions)
-
-
-IN_FLIGHT_MODES = ("finish", "resample")
 
 
 @ray.remote(num_cpus=0)
