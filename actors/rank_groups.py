@@ -94,6 +94,7 @@ class TrainerGroup(RankGroup):
         seed: int = 0,
         use_cuda: bool = False,
         actor_options: dict | None = None,
+        engine_activity: str | None = None,
     ) -> None:
         super().__init__(
             TrainerRank,
@@ -109,6 +110,7 @@ class TrainerGroup(RankGroup):
             seed=seed,
             use_cuda=use_cuda,
             actor_options=actor_options,
+            engine_activity=engine_activity,
         )
 
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:

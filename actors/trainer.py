@@ -10,6 +10,7 @@ from __future__ import annotations
 import ray
 import torch
 
+from actors.engine_activity import EngineActivity, IdleCoreThreads
 from actors.fsdp_rank import DTYPES, FSDPRank
 from actors.modeling import completion_logprobs, load_causal_lm
 from algos.episodes import Episode
@@ -37,14 +38,26 @@ class TrainerRank(FSDPRank):
         sync_dtype: str = "float32",
         total_steps: int = 1,
         seed: int = 0,
+        engine_activity: str | None = None,
     ) -> None:
-        """``sync_dtype``: the policy's dtype, which pushed weights are cast to."""
+        """``sync_dtype``: the policy's dtype, which pushed weights are cast to.
+        ``engine_activity``: where the policy engines on this host mark when they work; on CPU the
+        rank trains with ``config.idle_policy_threads`` more threads while none does
+        (``actors.engine_activity``). None: always ``config.torch_threads``."""
         super().__init__(rank, world, config, loss, total_steps, seed)
+        self.engine_activity = engine_activity
         self.model_path = model_path
         self.model = load_causal_lm(model_path)
         self.pusher = WeightPusher(WeightStore(redis_url, run), weightsync, sync_dtype)
 
     def _sharded(self) -> None:
+        if self.engine_activity and self.device is None and self.config.idle_policy_threads:
+            IdleCoreThreads(
+                self.model.model.layers,
+                EngineActivity(self.engine_activity),
+                self.config.torch_threads,
+                self.config.idle_policy_threads,
+            )
         # The shard files the first weight pushes write over, allocated while the policy starts.
         self.pusher.reserve(self._model_state_dict(offload=False))
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import ray
 
+from actors.engine_activity import FILE_NAME
 from actors.policy import Policy
 from actors.policy_replicas import PolicyReplicas
 from actors.rank_groups import CriticGroup, TrainerGroup
@@ -75,6 +76,10 @@ def start_actors(
     writers = [] if writers is None else writers
     where = placement.weight_sync
     replicas, names = [], [f"policy-{i}" for i in range(cfg.policy.replicas)]
+    # On one CPU host the trainer ranks borrow the cores the engines leave idle.
+    activity = None
+    if not use_cuda and cfg.weightsync.data_plane == "shm":
+        activity = str(run_dir(cfg.weightsync.shm_root, cfg.run_name) / FILE_NAME)
     for i, name in enumerate(names):
         replica = Policy.options(num_gpus=placement.replica_gpus, max_restarts=cfg.policy.max_restarts, **where).remote(
             model_path,
@@ -87,6 +92,7 @@ def start_actors(
             verify=cfg.weightsync.verify,
             engine_files_record=str(engine_files_record(cfg) / f"{name}.json"),
             gpu_memory_fraction=placement.policy_memory_fraction,
+            engine_activity=activity,
         )
         replicas.append(replica)
         writers.append(replica)
@@ -103,6 +109,7 @@ def start_actors(
         seed=cfg.seed,
         use_cuda=use_cuda,
         actor_options=where | ({"num_gpus": placement.rank_gpus} if use_cuda else {}),
+        engine_activity=activity,
     )
     writers.extend(trainer.ranks)
     named = {"the policy" if len(names) == 1 else f"policy replica {n}": r for n, r in zip(names, replicas)}
