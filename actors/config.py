@@ -17,6 +17,8 @@ class PolicyConfig:
     dtype: str  # auto: float32 on CPU, bfloat16 on GPUs (the launcher resolves it)
     max_model_len: int
     kv_cache_mib: int
+    max_num_seqs: int  # sequences the engine runs in one step
+    max_num_batched_tokens: int  # tokens the engine runs in one step (prefill chunks + decodes)
     enforce_eager: bool
     temperature: float
     max_tokens: int
@@ -31,6 +33,12 @@ class PolicyConfig:
             (self.dtype in POLICY_DTYPES, "dtype", f"one of {list(POLICY_DTYPES)}"),
             (self.max_model_len >= 2, "max_model_len", "an integer >= 2"),
             (self.kv_cache_mib >= 1, "kv_cache_mib", "an integer >= 1"),
+            (self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1"),
+            (
+                self.max_num_batched_tokens >= self.max_num_seqs,
+                "max_num_batched_tokens",
+                f"at least policy.max_num_seqs={self.max_num_seqs} (one token per sequence in a step)",
+            ),
             (self.temperature > 0, "temperature", "a number > 0"),
             (self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
             (self.in_flight in IN_FLIGHT_MODES, "in_flight", f"one of {list(IN_FLIGHT_MODES)}"),

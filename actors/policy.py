@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import ray
 
+from actors import vllm_cpu_waits
 from actors.config import IN_FLIGHT_MODES, PolicyConfig
 from actors.engine_activity import EngineActivity
 from actors.engine_errors import engine_start_error, is_engine_start_failure, log_sizes, own_logs
@@ -107,6 +108,8 @@ class Policy:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.omp_threads_bind
         else:
             _bind_tp_workers_on_cpu(config.tp, *cpu_share)
+        if _on_cpu():
+            os.environ[vllm_cpu_waits.ENV] = "1"  # the engine's processes inherit it
         # The engine's ZeroMQ sockets go to a folder of its own, removed when it stops (vLLM
         # leaves them in the temp folder otherwise; see actors.engine_shm).
         self.ipc_dir = private_ipc_dir()
@@ -126,6 +129,8 @@ class Policy:
                     dtype=config.dtype,
                     max_model_len=config.max_model_len,
                     kv_cache_memory_bytes=config.kv_cache_mib * 2**20,
+                    max_num_seqs=config.max_num_seqs,
+                    max_num_batched_tokens=config.max_num_batched_tokens,
                     enforce_eager=config.enforce_eager,
                     seed=seed,
                     worker_extension_cls=EXTENSION,
@@ -405,16 +410,18 @@ class Policy:
         remove_ipc_dir(self.ipc_dir)
 
 
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def _bind_tp_workers_on_cpu(tp: int, replica: int, replicas: int) -> None:
     """On vLLM-cpu, give each TP worker its own share of this machine's cores where vLLM's
     ``auto`` binding would refuse (fewer NUMA nodes than workers) or would bind several replicas'
     workers to the same cores (see ``actors.cpu_binding``). A ``VLLM_CPU_OMP_THREADS_BIND`` set
     by the user other than ``auto`` is left alone."""
-    if tp * replicas <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
-        return
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    if tp * replicas <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto" or not _on_cpu():
         return
     import vllm.utils.cpu_resource_utils as cpus
 

@@ -107,6 +107,8 @@ def test_wrong_type_names_the_key():
         ("weightsync.checksums=false", "weightsync.verify"),
         ("trainer.lr_schedule=step", "trainer.lr_schedule"),
         ("trainer.ranks=0", "trainer.ranks"),
+        ("trainer.completion_passes=0", "trainer.completion_passes"),
+        ("policy.max_num_batched_tokens=100", "policy.max_num_batched_tokens"),
         ("weightsync.delta_max_live=0.5", "weightsync.delta_max_live"),
         ("weightsync.delta_elements=true", "weightsync.delta_elements"),
     ],
