@@ -162,6 +162,9 @@ class PolicyLoss:
     # Each distinct prompt's forward pass once for the samples that share it (algos.shared_prefix):
     # the same logits and gradient, less work (trainer.shared_prefix).
     shared_prefix: bool = True
+    # With shared_prefix, the completions run in up to this many passes grouped by length, each
+    # padded to its longest (algos.shared_prefix.length_buckets).
+    completion_passes: int = 1
 
     metric_names = ("kl", "clip_frac", "ratio_mean", "tis_weight_mean", "logprob_diff_mean", "entropy")
     max_metric_names = ("logprob_diff_max",)
@@ -174,7 +177,7 @@ class PolicyLoss:
         if "advantages" not in batch:
             raise ValueError("the policy loss needs every episode's advantages (set by the algorithm)")
         mask = batch["completion_mask"]
-        logits = causal_lm_logits(model, batch, self.shared_prefix).float()
+        logits = causal_lm_logits(model, batch, self.shared_prefix, self.completion_passes).float()
         logprobs = token_logprobs(logits, batch["input_ids"])
         loss, metrics = clipped_policy_loss(
             logprobs,

@@ -14,20 +14,63 @@ No Ray, no vLLM: a model and a collated batch (``algos.episodes.collate``) in, l
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import torch
+from transformers import DynamicCache
 
 
-def causal_lm_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], shared_prefix: bool) -> torch.Tensor:
+def causal_lm_logits(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], shared_prefix: bool, completion_passes: int = 1
+) -> torch.Tensor:
     """``[B, T, V]`` logits of a collated batch: position ``t`` holds the logits that predict token
     ``t + 1`` (as a plain forward pass's). ``shared_prefix``: only the positions that predict a
-    completion token are computed (the rest are 0), each distinct prompt run once."""
+    completion token are computed (the rest are 0), each distinct prompt run once, and the
+    completions in up to ``completion_passes`` passes grouped by length (``length_buckets``)."""
     if not shared_prefix:
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return _shared_prefix_logits(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    return _shared_prefix_logits(
+        model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], completion_passes
+    )
+
+
+# What one more completion pass costs, in padded positions: a split into another pass is made only
+# where it saves more positions than this.
+PASS_COST_POSITIONS = 64
+
+
+def length_buckets(widths: list[int], passes: int, pass_cost: int | None = None) -> list[int]:
+    """The widths of at most ``passes`` passes that run sequences of the given ``widths`` (0: no
+    pass needed), each sequence in the narrowest pass that holds it, with the fewest positions
+    computed (each pass padded to its width) plus ``pass_cost`` per pass (default
+    ``PASS_COST_POSITIONS``). Ascending."""
+    pass_cost = PASS_COST_POSITIONS if pass_cost is None else pass_cost
+    counts = Counter(w for w in widths if w > 0)
+    distinct = sorted(counts)
+    if not distinct:
+        return []
+    n = len(distinct)
+    # best[k][i]: (cost, widths) of covering distinct[:i] with k passes, the last one distinct[i-1] wide.
+    best: list[list[tuple[float, list[int]]]] = [[(math.inf, [])] * (n + 1) for _ in range(passes + 1)]
+    best[0][0] = (0, [])
+    for k in range(1, passes + 1):
+        for i in range(1, n + 1):
+            rows = 0
+            for j in range(i - 1, -1, -1):  # this pass takes distinct[j:i]
+                rows += counts[distinct[j]]
+                cost = best[k - 1][j][0] + rows * distinct[i - 1] + pass_cost
+                if cost < best[k][i][0]:
+                    best[k][i] = (cost, [*best[k - 1][j][1], distinct[i - 1]])
+    return min((best[k][n] for k in range(1, passes + 1)), key=lambda c: c[0])[1]
 
 
 def _shared_prefix_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    completion_passes: int,
 ) -> torch.Tensor:
     device = input_ids.device
     B, T = input_ids.shape
@@ -52,28 +95,36 @@ def _shared_prefix_logits(
 
     # Logits that predict each episode's first completion token: its prompt's last position.
     first = prompt_out.logits[group_t, prompt_lens - 1]  # [B, V]
-    c_width = int(completion_lens.max())
     logits = prompt_out.logits.new_zeros((B, T, first.shape[-1]))
     b_idx = torch.arange(B, device=device)
     logits = logits.index_put((b_idx, prompt_lens - 1), first)
-    if c_width <= 1:
-        return logits  # no completion has a second token to predict
 
     # Each episode's completion tokens (all but the last, which predicts nothing) on its prompt's
-    # cache, at the positions after its prompt; the prompt's padding is masked out.
-    steps = torch.arange(c_width - 1, device=device)
-    take = steps[None, :] < (completion_lens - 1)[:, None]  # [B, c_width - 1]
-    src = (prompt_lens[:, None] + steps[None, :]).clamp(max=T - 1)
-    completion_ids = torch.where(take, input_ids.gather(1, src), torch.zeros_like(src))
-    cache = prompt_out.past_key_values
-    cache.batch_select_indices(group_t)
-    mask = torch.cat([prompt_mask[group_t], take.to(prompt_mask.dtype)], dim=1)
-    out = model(
-        input_ids=completion_ids,
-        attention_mask=mask,
-        position_ids=prompt_lens[:, None] + steps[None, :],
-        past_key_values=cache,
-        use_cache=True,
-    )
-    b_take, s_take = take.nonzero(as_tuple=True)
-    return logits.index_put((b_take, prompt_lens[b_take] + s_take), out.logits[b_take, s_take])
+    # cache, at the positions after its prompt; the prompt's padding is masked out. Episodes of
+    # similar length share a pass, padded to its longest.
+    widths = (completion_lens - 1).clamp(min=0)
+    cached = list(prompt_out.past_key_values)  # per layer: keys, values (and a sliding window)
+    narrower = 0
+    for pass_width in length_buckets(widths.tolist(), completion_passes):
+        members = ((widths > narrower) & (widths <= pass_width)).nonzero(as_tuple=True)[0]
+        narrower = pass_width
+        rows_group = group_t[members]
+        cache = DynamicCache(
+            ddp_cache_data=[(k[rows_group], v[rows_group], *rest) for k, v, *rest in cached], config=model.config
+        )
+        steps = torch.arange(pass_width, device=device)
+        p_lens = prompt_lens[members]
+        take = steps[None, :] < widths[members][:, None]  # [rows, pass_width]
+        src = (p_lens[:, None] + steps[None, :]).clamp(max=T - 1)
+        completion_ids = torch.where(take, input_ids[members].gather(1, src), torch.zeros_like(src))
+        mask = torch.cat([prompt_mask[rows_group], take.to(prompt_mask.dtype)], dim=1)
+        out = model(
+            input_ids=completion_ids,
+            attention_mask=mask,
+            position_ids=p_lens[:, None] + steps[None, :],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        r_take, s_take = take.nonzero(as_tuple=True)
+        logits = logits.index_put((members[r_take], p_lens[r_take] + s_take), out.logits[r_take, s_take])
+    return logits

@@ -28,6 +28,9 @@ class TrainerConfig:
     # The policy's trainer runs each distinct prompt once for the samples that share it
     # (algos.shared_prefix); a critic (PPO's algo.critic) runs full sequences and ignores it.
     shared_prefix: bool = True
+    # With shared_prefix: the most passes a micro-batch's completions are split into by length,
+    # each padded to its longest (algos.shared_prefix.length_buckets).
+    completion_passes: int = 3
     # On CPU, threads each policy trainer rank adds to torch_threads while the policy engines on
     # its host are idle (actors.engine_activity); a critic ignores it.
     idle_policy_threads: int = 0
@@ -49,6 +52,7 @@ class TrainerConfig:
             (self.param_dtype in TRAIN_DTYPES, "param_dtype", f"one of {list(TRAIN_DTYPES)}"),
             (self.reduce_dtype in TRAIN_DTYPES, "reduce_dtype", f"one of {list(TRAIN_DTYPES)}"),
             (self.torch_threads >= 1, "torch_threads", "an integer >= 1"),
+            (self.completion_passes >= 1, "completion_passes", "an integer >= 1"),
             (self.idle_policy_threads >= 0, "idle_policy_threads", "an integer >= 0"),
             (self.max_skipped_steps >= 1, "max_skipped_steps", "an integer >= 1"),
         ]

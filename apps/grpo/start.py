@@ -102,7 +102,11 @@ def start_actors(
         model_path,
         redis_url,
         cfg.run_name,
-        loss=dataclasses.replace(algorithm.policy_loss(), shared_prefix=cfg.trainer.shared_prefix),
+        loss=dataclasses.replace(
+            algorithm.policy_loss(),
+            shared_prefix=cfg.trainer.shared_prefix,
+            completion_passes=cfg.trainer.completion_passes,
+        ),
         weightsync=cfg.weightsync,
         sync_dtype=policy_dtype,
         total_steps=cfg.steps,
