@@ -22,7 +22,8 @@ the same order, the same number of steps. Each system runs in a process of its o
   the step's wall time).
 
 Systems: ``rlsys`` (``mode=sync``), ``rlsys-async`` (``mode=async algo.max_staleness=1``: the
-next batch is sampled while a step trains) and ``trl``.
+next batch is sampled while a step trains; at 136m also ``trainer.idle_policy_threads=1``) and
+``trl``. Each row records the overrides its run used.
 
 Needs the ``bench`` extra (TRL): ``pip install -e '.[bench]'``. Prints a table and writes
 ``bench/results/e2e.json`` (a list, one object per system and scale).
@@ -105,9 +106,14 @@ class Scale:
     steps: int
     settings: list[str]  # apps.grpo overrides beyond the defaults
     accuracy: bool  # held-out accuracy means something (a trained model, not random weights)
+    async_settings: tuple[str, ...] = ()  # what rlsys-async adds at this scale
 
     def overrides(self) -> list[str]:
         return [f"steps={self.steps}", "eval_every=0", "checkpoint.every=0", *self.settings]
+
+    def ours(self, system: str) -> list[str]:
+        """apps.grpo overrides of one of our systems at this scale."""
+        return [*self.overrides(), *OURS[system], *(self.async_settings if system == "rlsys-async" else ())]
 
 
 def scales(names: list[str], steps: int, steps_136m: int) -> list[Scale]:
@@ -129,6 +135,9 @@ def scales(names: list[str], steps: int, steps_136m: int) -> list[Scale]:
                     steps_136m,
                     [model, "prompts_per_step=8", "algo.group_size=4", "policy.max_tokens=16"],
                     False,
+                    # The trainer's step is long next to the engine's sampling here: it takes the
+                    # engine's core while the engine waits (actors.engine_activity).
+                    ("trainer.idle_policy_threads=1",),
                 )
             )
         else:
@@ -143,7 +152,7 @@ def run_ours(work: Path, scale: Scale, system: str = "rlsys") -> dict:
     out = work / "outputs"
     name = f"{system}-{scale.name}"
     wall_s, peak = run_measured(
-        [sys.executable, "-m", "apps.grpo", *scale.overrides(), *OURS[system], f"output_dir={out}", f"run_name={name}"],
+        [sys.executable, "-m", "apps.grpo", *scale.ours(system), f"output_dir={out}", f"run_name={name}"],
         work / f"{name}.log",
     )
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
@@ -257,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                     "system": system,
                     "scale": scale.name,
                     "mode": result["mode"],
+                    "overrides": scale.ours(system) if system in OURS else scale.overrides(),
                     "steps": scale.steps,
                     "completions_per_step": per_step,
                     "max_tokens": cfg.policy.max_tokens,
