@@ -3,10 +3,11 @@
 
 Each rank holds the model sharded with ``fully_shard`` (per decoder layer, then the root) over a
 torch.distributed process group (gloo on CPU, NCCL on GPU), an AdamW optimizer over its shards
-and a LambdaLR schedule. A train step gets this rank's share of the batch plus the whole batch's
-totals and runs the algorithm's loss through ``algos.train.backward``; FSDP2 averages the ranks'
-gradients, so each rank scales its backward pass by the world size to make the sum the whole
-batch's gradient. An update whose loss or gradient norm is not finite is not applied.
+and a LambdaLR schedule; a lone CPU rank in float32 holds the plain model (``FSDPRank.sharded``).
+A train step gets this rank's share of the batch plus the whole batch's totals and runs the
+algorithm's loss through ``algos.train.backward``; FSDP2 averages the ranks' gradients, so each
+rank scales its backward pass by the world size to make the sum the whole batch's gradient. An
+update whose loss or gradient norm is not finite is not applied.
 """
 
 from __future__ import annotations
@@ -101,10 +102,11 @@ class FSDPRank:
         if self.device is not None:
             self.model.to(self.device)
         c = self.config
-        policy = MixedPrecisionPolicy(param_dtype=DTYPES[c.param_dtype], reduce_dtype=DTYPES[c.reduce_dtype])
-        for layer in self.model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(self.model, mp_policy=policy)
+        if self.sharded:
+            policy = MixedPrecisionPolicy(param_dtype=DTYPES[c.param_dtype], reduce_dtype=DTYPES[c.reduce_dtype])
+            for layer in self.model.model.layers:
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(self.model, mp_policy=policy)
         self.model.train()
         self._sharded()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
@@ -112,6 +114,14 @@ class FSDPRank:
             self.optimizer,
             lambda step: lr_multiplier(step, self.total_steps, c.warmup_steps, c.lr_schedule, c.min_lr_ratio),
         )
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is wrapped by FSDP2: not for a single CPU rank in float32, where a world
+        of one would only add copies (its all-gathers and reduce-scatters) and DTensor dispatch to
+        every step. The process group is formed all the same (checkpoints and pushes use it)."""
+        c = self.config
+        return self.world > 1 or self.device is not None or (c.param_dtype, c.reduce_dtype) != ("float32", "float32")
 
     def _sharded(self) -> None:
         """Called once the model is sharded, before the optimizer exists."""
