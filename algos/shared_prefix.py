@@ -14,9 +14,9 @@ No Ray, no vLLM: a model and a collated batch (``algos.episodes.collate``) in, l
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -51,18 +51,23 @@ def length_buckets(widths: list[int], passes: int, pass_cost: int | None = None)
     if not distinct:
         return []
     n = len(distinct)
-    # best[k][i]: (cost, widths) of covering distinct[:i] with k passes, the last one distinct[i-1] wide.
-    best: list[list[tuple[float, list[int]]]] = [[(math.inf, [])] * (n + 1) for _ in range(passes + 1)]
-    best[0][0] = (0, [])
+    width = np.array(distinct, dtype=np.float64)
+    rows_below = np.concatenate([[0.0], np.cumsum([counts[w] for w in distinct], dtype=np.float64)])
+    # best[k, i]: the cost of covering distinct[:i] with k passes, the last one distinct[i - 1]
+    # wide; it takes distinct[start[k, i]:i].
+    best = np.full((passes + 1, n + 1), np.inf)
+    best[0, 0] = 0.0
+    start = np.zeros((passes + 1, n + 1), dtype=np.int64)
     for k in range(1, passes + 1):
         for i in range(1, n + 1):
-            rows = 0
-            for j in range(i - 1, -1, -1):  # this pass takes distinct[j:i]
-                rows += counts[distinct[j]]
-                cost = best[k - 1][j][0] + rows * distinct[i - 1] + pass_cost
-                if cost < best[k][i][0]:
-                    best[k][i] = (cost, [*best[k - 1][j][1], distinct[i - 1]])
-    return min((best[k][n] for k in range(1, passes + 1)), key=lambda c: c[0])[1]
+            costs = best[k - 1, :i] + (rows_below[i] - rows_below[:i]) * width[i - 1] + pass_cost
+            start[k, i] = np.argmin(costs)
+            best[k, i] = costs[start[k, i]]
+    k, i, out = int(np.argmin(best[1:, n])) + 1, n, []
+    while k > 0:
+        out.append(distinct[i - 1])
+        i, k = int(start[k, i]), k - 1
+    return out[::-1]
 
 
 def _shared_prefix_logits(
