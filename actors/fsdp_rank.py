@@ -3,11 +3,11 @@
 
 Each rank holds the model sharded with ``fully_shard`` (per decoder layer, then the root) over a
 torch.distributed process group (gloo on CPU, NCCL on GPU), an AdamW optimizer over its shards
-and a LambdaLR schedule; a lone CPU rank in float32 holds the plain model (``FSDPRank.sharded``).
-A train step gets this rank's share of the batch plus the whole batch's totals and runs the
-algorithm's loss through ``algos.train.backward``; FSDP2 averages the ranks' gradients, so each
-rank scales its backward pass by the world size to make the sum the whole batch's gradient. An
-update whose loss or gradient norm is not finite is not applied.
+and a LambdaLR schedule; a lone CPU rank in float32 holds the plain model
+(``FSDPRank.wrapped_by_fsdp``). A train step gets this rank's share of the batch plus the whole
+batch's totals and runs the algorithm's loss through ``algos.train.backward``; FSDP2 averages
+the ranks' gradients, so each rank scales its backward pass by the world size to make the sum
+the whole batch's gradient. An update whose loss or gradient norm is not finite is not applied.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class FSDPRank:
         if self.device is not None:
             self.model.to(self.device)
         c = self.config
-        if self.sharded:
+        if self.wrapped_by_fsdp:
             policy = MixedPrecisionPolicy(param_dtype=DTYPES[c.param_dtype], reduce_dtype=DTYPES[c.reduce_dtype])
             for layer in self.model.model.layers:
                 fully_shard(layer, mp_policy=policy)
@@ -116,7 +116,7 @@ class FSDPRank:
         )
 
     @property
-    def sharded(self) -> bool:
+    def wrapped_by_fsdp(self) -> bool:
         """Whether the model is wrapped by FSDP2: not for a single CPU rank in float32, where a world
         of one would only add copies (its all-gathers and reduce-scatters) and DTensor dispatch to
         every step. The process group is formed all the same (checkpoints and pushes use it)."""
@@ -124,7 +124,7 @@ class FSDPRank:
         return self.world > 1 or self.device is not None or (c.param_dtype, c.reduce_dtype) != ("float32", "float32")
 
     def _sharded(self) -> None:
-        """Called once the model is sharded, before the optimizer exists."""
+        """Called once the model is in place (wrapped by FSDP2 or not), before the optimizer exists."""
 
     def close(self) -> None:
         self.wait_for_checkpoint()

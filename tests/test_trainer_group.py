@@ -54,7 +54,7 @@ def _assert_same_weights(a: dict, b: dict, atol: float = 1e-5) -> None:
 
 
 def test_two_ranks_train_like_one(make_group, tiny_model_path, redis_url):
-    # One CPU rank in float32 trains the plain model (FSDPRank.sharded); two shard it with FSDP2.
+    # One CPU rank in float32 trains the plain model (FSDPRank.wrapped_by_fsdp); two use FSDP2.
     one = make_group(1, "tg-one")
     two = make_group(2, "tg-two", micro_batch_size=2)  # 2 ranks x 3 uneven micro-batches of 5..6 episodes
     start = one.full_state_dict()

@@ -48,8 +48,12 @@ def vllm_wait(monkeypatch):
 
 def test_a_waiting_reader_sleeps_and_still_gets_the_message_promptly(vllm_wait, monkeypatch):
     monkeypatch.setenv(vllm_cpu_waits.ENV, "1")
+    original = shm_broadcast.SpinCondition.wait
     vllm_cpu_waits.install()
+    patched = shm_broadcast.SpinCondition.wait
+    assert patched is not original
     vllm_cpu_waits.install()  # vLLM may call it again in the same process: no double wrapping
+    assert shm_broadcast.SpinCondition.wait is patched
     message, cpu_s, late_s = _wait_for_a_late_message()
     assert message == "second"
     assert cpu_s < 0.1  # vLLM's own wait spins the whole 0.3 s (the test below)
