@@ -238,10 +238,17 @@ class Policy:
 
         Log-probabilities are those of the sampling distribution: with ``temperature=1`` and no
         top-k/top-p they are the model's own, which the trainer recomputes.
+
+        The actor tokenizes the prompts and decodes the samples itself, each in one batched call
+        of the engine's tokenizer, rather than vLLM per request and (decoding) per token as it
+        goes: the engine's front end shares its process, and its per-step work is what a batch
+        of short completions costs most of.
         """
-        from vllm import SamplingParams
+        from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        tokenizer = self.engine.get_tokenizer()
+        prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]  # as vLLM's renderer does
         ids, version = await self._admit(len(prompts), seq, resample=True)
         start = time.perf_counter()  # admitted: the wait for an earlier update is not the engine's
         # vLLM seeds a prompt's n samples seed, seed+1, ...: give each prompt its own range so that
@@ -251,31 +258,39 @@ class Policy:
                 n=n,
                 temperature=self.config.temperature,
                 max_tokens=self.config.max_tokens,
-                logprobs=0,
+                logprobs=0,  # the sampled token's alone: FlatLogprobs then holds one per position
+                flat_logprobs=True,
+                detokenize=False,
                 seed=None if seed is None else seed + i * n,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
             for i in range(len(prompts))
         ]
         outputs = await asyncio.gather(
-            *(self._sample(rid, version, p, sp) for rid, p, sp in zip(ids, prompts, params, strict=True))
+            *(
+                self._sample(rid, version, TokensPrompt(prompt_token_ids=p), sp)
+                for rid, p, sp in zip(ids, prompt_ids, params, strict=True)
+            )
         )
-        samples = []
-        for out, _ in outputs:
-            group = []
-            for c in out.outputs:
-                lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
-                group.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason == "stop"))
-            samples.append(group)
+        completions = [c for out, _ in outputs for c in out.outputs]
+        # vLLM's own detokenizer defaults: special tokens (EOS) skipped.
+        texts = iter(tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True))
+        samples = [
+            [
+                Sample(list(c.token_ids), sampled_logprobs(c), next(texts), c.finish_reason == "stop")
+                for c in out.outputs
+            ]
+            for out, _ in outputs
+        ]
         return Generation(
-            [list(out.prompt_token_ids) for out, _ in outputs],
+            [list(p) for p in prompt_ids],
             samples,
             [v for _, v in outputs],
             time.perf_counter() - start,
             sum(v != version for _, v in outputs),
         )
 
-    async def _sample(self, request_id: str, version: int, prompt: str, params) -> tuple[RequestOutput, int]:
+    async def _sample(self, request_id: str, version: int, prompt, params) -> tuple[RequestOutput, int]:
         """One prompt's samples and the version that produced them: sampled again, whole, by the
         next version when an update aborted them (``in_flight="resample"``)."""
         while True:
@@ -408,6 +423,15 @@ class Policy:
         if self.engine_files is not None:
             self.engine_files.remove()  # what the shutdown left, if anything
         remove_ipc_dir(self.ipc_dir)
+
+
+def sampled_logprobs(completion) -> list[float]:
+    """Each sampled token's log-probability from a completion asked for with ``logprobs=0`` and
+    ``flat_logprobs=True``: one entry per position, the sampled token's (vLLM puts it first)."""
+    flat = completion.logprobs
+    if len(flat.token_ids) != len(completion.token_ids) or list(flat.token_ids) != list(completion.token_ids):
+        raise RuntimeError("vLLM returned logprobs that are not one per sampled token")
+    return list(flat.logprobs)
 
 
 def _on_cpu() -> bool:

@@ -135,3 +135,28 @@ def test_an_update_while_requests_are_in_flight_reaches_the_engine_between_them(
             for sample in group:
                 want = _completion_logprobs(model, prompt_ids, sample.token_ids)
                 assert max(abs(x - y) for x, y in zip(sample.logprobs, want, strict=True)) < 1e-3
+
+
+@pytest.mark.slow
+def test_samples_carry_the_prompt_tokens_and_texts_a_transformers_tokenizer_gives(policy, ray_session, tiny_model_path):
+    """The actor tokenizes the prompts and decodes the samples itself (batched, not vLLM per
+    request): its prompt ids are ``transformers``' tokenization, each text the decoding of its
+    tokens without special tokens (a sample stopped on EOS ends with the EOS id, not in its
+    text), and there is one logprob per sampled token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    prompts = [f"{x}-{y}=" for x in (5, 61, 99) for y in (0, 7)]
+    generation = ray_session.get(policy.generate.remote(prompts, 4, 77))
+    assert generation.prompt_ids == [tokenizer(p)["input_ids"] for p in prompts]
+    finished = 0
+    for group in generation.samples:
+        assert len(group) == 4
+        for sample in group:
+            assert sample.text == tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+            assert len(sample.logprobs) == len(sample.token_ids) and all(lp <= 0 for lp in sample.logprobs)
+            if sample.finished:
+                finished += 1
+                assert sample.token_ids[-1] == tokenizer.eos_token_id
+                assert tokenizer.eos_token not in sample.text
+    assert finished > 0
