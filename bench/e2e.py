@@ -22,8 +22,11 @@ the same order, the same number of steps. Each system runs in a process of its o
   the step's wall time).
 
 Systems: ``rlsys`` (``mode=sync``), ``rlsys-async`` (``mode=async algo.max_staleness=1``: the
-next batch is sampled while a step trains; at 136m also ``trainer.idle_policy_threads=1``) and
-``trl``. Each row records the overrides its run used.
+next batch is sampled while a step trains; at 136m also ``trainer.idle_policy_threads=1``),
+``rlsys-async-bf16`` (the same with ``policy.dtype=bfloat16``: the engine samples in bfloat16
+while the trainer keeps float32, as GPU runs do by default; the loss's importance ratio corrects
+for the rollout logprobs being bfloat16's) and ``trl``. Each row records the overrides its run
+used.
 
 Needs the ``bench`` extra (TRL): ``pip install -e '.[bench]'``. Prints a table and writes
 ``bench/results/e2e.json`` (a list, one object per system and scale).
@@ -113,7 +116,7 @@ class Scale:
 
     def ours(self, system: str) -> list[str]:
         """apps.grpo overrides of one of our systems at this scale."""
-        return [*self.overrides(), *OURS[system], *(self.async_settings if system == "rlsys-async" else ())]
+        return [*self.overrides(), *OURS[system], *(self.async_settings if system.startswith("rlsys-async") else ())]
 
 
 def scales(names: list[str], steps: int, steps_136m: int) -> list[Scale]:
@@ -145,7 +148,11 @@ def scales(names: list[str], steps: int, steps_136m: int) -> list[Scale]:
     return out
 
 
-OURS = {"rlsys": [], "rlsys-async": ["mode=async", "algo.max_staleness=1"]}  # system -> apps.grpo overrides
+OURS = {  # system -> apps.grpo overrides
+    "rlsys": [],
+    "rlsys-async": ["mode=async", "algo.max_staleness=1"],
+    "rlsys-async-bf16": ["mode=async", "algo.max_staleness=1", "policy.dtype=bfloat16"],
+}
 
 
 def run_ours(work: Path, scale: Scale, system: str = "rlsys") -> dict:
@@ -163,7 +170,8 @@ def run_ours(work: Path, scale: Scale, system: str = "rlsys") -> dict:
         "trainer": statistics.median((r["train_s"] + r["push_s"]) / r["step_s"] for r in steps_rows),
     }
     return {
-        "mode": ("async, max_staleness 1" if system == "rlsys-async" else "sync") + ", vLLM generation",
+        "mode": ("async, max_staleness 1" if system.startswith("rlsys-async") else "sync")
+        + (", vLLM generation in bfloat16" if system.endswith("-bf16") else ", vLLM generation"),
         "step_s": step_s,
         "completion_len_mean": statistics.mean(r["completion_len_mean"] for r in steps_rows),
         "phases": {k: statistics.median(r[k] for r in steps_rows if k in r) for k in PHASES},
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scales", default="tiny,136m")
     parser.add_argument("--steps", type=int, default=150, help="steps at the tiny scale")
     parser.add_argument("--steps-136m", type=int, default=6)
-    parser.add_argument("--systems", default="rlsys,rlsys-async,trl")
+    parser.add_argument("--systems", default="rlsys,rlsys-async,rlsys-async-bf16,trl")
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench-e2e"), help="logs and models (replaced)")
     args = parser.parse_args(argv)
     systems = args.systems.split(",")
