@@ -19,7 +19,7 @@ from actors.modeling import check_model_dir
 from weightsync.store import WeightStore
 
 if TYPE_CHECKING:
-    from vllm import RequestOutput
+    from vllm import RequestOutput, TokensPrompt
 
 EXTENSION = "weightsync.vllm_extension.WeightSyncExtension"
 
@@ -290,7 +290,7 @@ class Policy:
             sum(v != version for _, v in outputs),
         )
 
-    async def _sample(self, request_id: str, version: int, prompt, params) -> tuple[RequestOutput, int]:
+    async def _sample(self, request_id: str, version: int, prompt: TokensPrompt, params) -> tuple[RequestOutput, int]:
         """One prompt's samples and the version that produced them: sampled again, whole, by the
         next version when an update aborted them (``in_flight="resample"``)."""
         while True:
@@ -429,7 +429,7 @@ def sampled_logprobs(completion) -> list[float]:
     """Each sampled token's log-probability from a completion asked for with ``logprobs=0`` and
     ``flat_logprobs=True``: one entry per position, the sampled token's (vLLM puts it first)."""
     flat = completion.logprobs
-    if len(flat.token_ids) != len(completion.token_ids) or list(flat.token_ids) != list(completion.token_ids):
+    if list(flat.token_ids) != list(completion.token_ids):
         raise RuntimeError("vLLM returned logprobs that are not one per sampled token")
     return list(flat.logprobs)
 
