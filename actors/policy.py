@@ -186,6 +186,13 @@ class Policy:
             self._admitted = seq + 1
             self._state.notify_all()
 
+    async def _take_turn(self, seq: int | None) -> None:
+        """(Holding ``_state``.) Wait for ``seq``'s turn and for a pending update to finish, then
+        hand the turn to the next numbered call."""
+        await self._turn(seq)
+        await self._state.wait_for(lambda: not self._updating)
+        self._next_turn(seq)
+
     def _request_id(self) -> str:
         self._requests += 1
         return f"{self.replica}-{self._requests}"
@@ -196,9 +203,7 @@ class Policy:
         ``resample``: an update with ``in_flight="resample"`` may abort them."""
         await self._ready()
         async with self._state:
-            await self._turn(seq)
-            await self._state.wait_for(lambda: not self._updating)
-            self._next_turn(seq)
+            await self._take_turn(seq)
             self._check_weights()
             ids = [self._request_id() for _ in range(prompts)]
             self._in_engine.update(dict.fromkeys(ids, resample))
@@ -363,11 +368,9 @@ class Policy:
             raise ValueError(f"in_flight={in_flight!r}: expected one of {list(IN_FLIGHT_MODES)}")
         await self._ready()
         async with self._state:
-            await self._turn(seq)
-            await self._state.wait_for(lambda: not self._updating)  # an earlier one first
+            await self._take_turn(seq)  # an earlier update first
             self._updating = True
             self._mark_activity()
-            self._next_turn(seq)
         try:
             waited = time.perf_counter()
             abortable = [rid for rid, resample in self._in_engine.items() if resample]
