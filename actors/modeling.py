@@ -133,19 +133,25 @@ def completion_values(model: ValueModel, episodes: list[Episode], pad_id: int) -
     ]
 
 
-def sequence_token_logprobs(model, batch: dict[str, torch.Tensor], shared_prefix: bool = False) -> torch.Tensor:
+def sequence_token_logprobs(
+    model, batch: dict[str, torch.Tensor], shared_prefix: bool = False, completion_passes: int = 1
+) -> torch.Tensor:
     """Per-token log-probabilities of ``batch["input_ids"]`` under ``model`` (see ``token_logprobs``).
     ``shared_prefix``: only the completion tokens' (``algos.shared_prefix``; the batch needs its
-    ``completion_mask``), each distinct prompt run once."""
-    return token_logprobs(causal_lm_logits(model, batch, shared_prefix).float(), batch["input_ids"])
+    ``completion_mask``), each distinct prompt run once and the completions in up to
+    ``completion_passes`` passes grouped by length."""
+    logits = causal_lm_logits(model, batch, shared_prefix, completion_passes)
+    return token_logprobs(logits.float(), batch["input_ids"])
 
 
 @torch.no_grad()
-def completion_logprobs(model, episodes: list[Episode], pad_id: int) -> list[list[float]]:
-    """Each episode's completion-token log-probabilities under ``model`` (on the model's device)."""
+def completion_logprobs(model, episodes: list[Episode], pad_id: int, completion_passes: int = 1) -> list[list[float]]:
+    """Each episode's completion-token log-probabilities under ``model`` (on the model's device):
+    each group's prompt run once, the completions in up to ``completion_passes`` passes
+    (``trainer.completion_passes``)."""
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in collate(episodes, pad_id).items()}
-    logp = sequence_token_logprobs(model, batch, shared_prefix=True).cpu()  # each group's prompt once
+    logp = sequence_token_logprobs(model, batch, True, completion_passes).cpu()
     return [
         logp[b, len(e.prompt_ids) : len(e.prompt_ids) + len(e.completion_ids)].tolist() for b, e in enumerate(episodes)
     ]

@@ -63,7 +63,7 @@ class TrainerRank(FSDPRank):
 
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         """Each episode's completion-token logprobs under the current weights (all ranks run it)."""
-        return completion_logprobs(self.model, episodes, self.pad_id)
+        return completion_logprobs(self.model, episodes, self.pad_id, self.config.completion_passes)
 
     def _model_state_dict(self, offload: bool = True) -> dict[str, torch.Tensor]:
         """This rank's shards of the weights (copied to the host on GPU unless ``offload=False``)."""

@@ -22,6 +22,28 @@ def _plain_logprobs(model, batch) -> list[list[float]]:
     return out
 
 
+def test_completion_logprobs_in_several_passes_match_transformers(tiny_model_path):
+    """Short and long completions: the passes really split (algos.shared_prefix.length_buckets),
+    and every completion's logprobs are still the plain forward pass's."""
+    import random
+
+    from actors.modeling import completion_logprobs
+    from algos.episodes import Episode
+    from algos.shared_prefix import length_buckets
+
+    rng = random.Random(7)
+    batch = []
+    for i in range(24):
+        prompt = [rng.randrange(2, 15) for _ in range(rng.randint(3, 7))]
+        completion = [rng.randrange(1, 15) for _ in range(rng.randint(1, 3) if i % 3 else rng.randint(30, 40))]
+        batch.append(Episode(prompt, completion, [0.0] * len(completion), 0.0, 0))
+    assert len(length_buckets([len(e.completion_ids) - 1 for e in batch], 3)) > 1
+    model = load_causal_lm(tiny_model_path)
+    expected = _plain_logprobs(model, batch)
+    assert _max_diff(completion_logprobs(model, batch, pad_id=0, completion_passes=3), expected) < 1e-5
+    assert _max_diff(completion_logprobs(model, batch, pad_id=0), expected) < 1e-5
+
+
 def _max_diff(a, b) -> float:
     assert [len(x) for x in a] == [len(y) for y in b]
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))

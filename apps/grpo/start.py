@@ -130,7 +130,11 @@ def start_actors(
         # On a GPU at the trainer's compute dtype, so that the KL compares like with like.
         device, dtype = ("cuda", cfg.trainer.param_dtype) if placement.reference_gpus else ("cpu", "float32")
         reference = Reference.options(num_gpus=placement.reference_gpus).remote(
-            model_path, cfg.trainer.torch_threads, device=device, dtype=dtype
+            model_path,
+            cfg.trainer.torch_threads,
+            device=device,
+            dtype=dtype,
+            completion_passes=cfg.trainer.completion_passes,
         )
         named["the reference model"] = reference
     actors = Actors(
