@@ -53,8 +53,8 @@ JSON), in one run, it measures:
   fresh Redis, as they come and reserved at start (``WeightPusher.reserve``), printed below the
   table;
 
-On CPU the models are float32 (bf16 compute is pathologically slow on these CPUs and sync cost
-depends only on bytes); ``--dtype bfloat16`` for GPU machines. Prints a table and writes
+On CPU the models are float32 (sync cost depends only on bytes, and bf16 compute is slow on CPUs
+without AVX512-BF16 or AMX); ``--dtype bfloat16`` for GPU machines. Prints a table and writes
 ``bench/results/weightsync.json``.
 """
 
