@@ -412,6 +412,10 @@ class Policy:
         return {
             "version": version,
             "update_s": max(s["update_s"] for s in stats),
+            # Of it (the slowest worker's each): reading and copying the weights, then vLLM's
+            # repacking of the layers that changed (on CPU, the packed form its GEMMs use).
+            "update_copy_s": max(s["copy_s"] for s in stats),
+            "update_repack_s": max(s["repack_s"] for s in stats),
             "bytes_read_per_worker": [s["bytes_read"] for s in stats],
             # Slices delta sync did not read again: their stored pieces equal the loaded version's,
             # or differ only by element patches (then only the patches were read).

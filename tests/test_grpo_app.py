@@ -336,6 +336,7 @@ def test_short_grpo_run_end_to_end(tmp_path, tiny_model_path):
         assert all(p > 0 for p in phases) and sum(phases) <= r["step_s"]  # the phases run one after another
         assert r["completions_per_s"] == pytest.approx(8 * 4 / r["gen_engine_s"]) and "reference_s" in r
         assert r["gen_engine_s"] <= r["gen_s"] and r["staleness"] == 0 and r["dropped_stale"] == 0
+        assert 0 < r["update_copy_s"] < r["update_s"] and 0 < r["update_repack_s"] < r["update_s"]  # one worker
     assert "eval_accuracy" in steps[0] and "eval_accuracy" in steps[2] and "eval_accuracy" not in steps[1]
     assert "eval_s" in steps[2] and "eval_s" not in steps[1]
     assert final["final"] is True and final["policy_version"] == 3 and 0.0 <= final["eval_accuracy"] <= 1.0
@@ -562,6 +563,8 @@ TIMING_KEYS = {
     "weight_sync_s",
     "push_s",
     "update_s",
+    "update_copy_s",
+    "update_repack_s",
     "gen_tokens_per_s",
     "completions_per_s",
     "train_tokens_per_s",

@@ -31,6 +31,9 @@ from actors.policy import Generation
 from actors.policy_replicas import PendingCall, PolicyReplicas
 from tasks.base import Problem
 
+# A weight update's times in a step's metrics: the whole update, its reads and copies, vLLM's repacking.
+UPDATE_TIMES = ("update_s", "update_copy_s", "update_repack_s")
+
 
 @dataclass
 class Rollout:
@@ -89,15 +92,16 @@ class Rollouts:
         return Rollout(problems, generation, time.perf_counter() - t)
 
     def update(self, version: int) -> dict:
-        """Ask the policy to load ``version`` (just pushed). Sync: waits and returns its
-        ``update_s``. Async: queues it and returns the last finished update's, if any."""
+        """Ask the policy to load ``version`` (just pushed). Sync: waits and returns its times
+        (``UPDATE_TIMES``). Async: queues it and returns the last finished update's, if any."""
         refs = self.policy.submit_update(version)
         if self.ahead == 0:
             self._finished(self.policy.wait_updates(refs))
-            return {} if self.last_update is None else {"update_s": self.last_update["update_s"]}
-        self._updates.append(refs)
-        self._collect(wait=False)
-        return {} if self.last_update is None else {"update_s": self.last_update["update_s"]}
+        else:
+            self._updates.append(refs)
+            self._collect(wait=False)
+        last = self.last_update or {}
+        return {k: last[k] for k in UPDATE_TIMES if k in last}
 
     def _finished(self, result: dict | None) -> None:
         if result is not None:  # None: every replica it went to died (they load the newest when back)
