@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.shared_prefix import causal_lm_logits
+from algos.shared_prefix import causal_lm_logits, forward_passes
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -172,6 +172,11 @@ class PolicyLoss:
     @property
     def per_sequence(self) -> bool:
         return self.aggregation != "token_mean"
+
+    @property
+    def forward_passes(self) -> int:
+        """Forward passes per micro-batch on data-parallel ranks (``algos.shared_prefix``)."""
+        return forward_passes(self.shared_prefix, self.completion_passes)
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         if "advantages" not in batch:

@@ -9,6 +9,11 @@ of the full sequence, so the logits are the plain pass's (to float rounding) and
 gradient: autograd carries each completion's gradient back through the cache it attended to, and
 the prompt pass sums them.
 
+Data-parallel ranks (FSDP2) must all make the same forward passes, since each gathers the
+parameters: there every micro-batch makes exactly ``forward_passes`` (a prompt pass and
+``completion_passes`` completion passes, those its batch did not need one-token passes that add
+zero), whatever its lengths.
+
 No Ray, no vLLM: a model and a collated batch (``algos.episodes.collate``) in, logits out.
 """
 
@@ -18,6 +23,7 @@ from collections import Counter
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from transformers import DynamicCache
 
 
@@ -38,6 +44,23 @@ def causal_lm_logits(
 # What one more completion pass costs, in padded positions: a split into another pass is made only
 # where it saves more positions than this.
 PASS_COST_POSITIONS = 64
+
+
+def forward_passes(shared_prefix: bool, completion_passes: int) -> int:
+    """The forward passes ``causal_lm_logits`` makes per batch on data-parallel ranks."""
+    return 1 + completion_passes if shared_prefix else 1
+
+
+def data_parallel() -> bool:
+    """Whether this process is one of several ranks of a process group (FSDP2's data parallelism)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def add_zero_of(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``logits`` plus zero times ``out``: the same values, with ``out``'s pass in the autograd
+    graph (so that its backward pass, and the collectives FSDP2 makes in it, run too)."""
+    zero = torch.zeros(1, dtype=torch.long, device=logits.device)
+    return logits.index_put((zero, zero), logits[0, 0] + 0.0 * out.float().sum())
 
 
 def length_buckets(widths: list[int], passes: int, pass_cost: int | None = None) -> list[int]:
@@ -110,7 +133,8 @@ def _shared_prefix_logits(
     widths = (completion_lens - 1).clamp(min=0)
     cached = list(prompt_out.past_key_values)  # per layer: keys, values (and a sliding window)
     narrower = 0
-    for pass_width in length_buckets(widths.tolist(), completion_passes):
+    buckets = length_buckets(widths.tolist(), completion_passes)
+    for pass_width in buckets:
         members = ((widths > narrower) & (widths <= pass_width)).nonzero(as_tuple=True)[0]
         narrower = pass_width
         rows_group = group_t[members]
@@ -132,4 +156,7 @@ def _shared_prefix_logits(
         )
         r_take, s_take = take.nonzero(as_tuple=True)
         logits = logits.index_put((members[r_take], p_lens[r_take] + s_take), out.logits[r_take, s_take])
+    if data_parallel():  # as many passes as every other rank (module docstring)
+        for _ in range(completion_passes - len(buckets)):
+            logits = add_zero_of(logits, model(input_ids=input_ids[:1, :1]).logits)
     return logits

@@ -30,6 +30,8 @@ class Loss(Protocol):
     ``metrics`` holds ``"loss"``, every name in ``metric_names`` (means over the micro-batch's
     completion tokens) and in ``max_metric_names`` (maxima). ``per_sequence``: the loss is a mean
     over sequences rather than tokens (its micro-batches are weighted by sequence counts).
+    ``forward_passes`` (optional, default 1): the forward passes it makes per micro-batch on
+    data-parallel ranks, which a rank with no episodes left for a micro-batch makes too.
     """
 
     metric_names: tuple[str, ...]
@@ -101,7 +103,7 @@ def backward(
     metrics = dict.fromkeys((*summed_metric_names(loss), *loss.max_metric_names), 0.0)
     for chunk in split_evenly(episodes, num_micro_batches):
         if not chunk:
-            _empty_pass(model, device)
+            _empty_pass(model, device, getattr(loss, "forward_passes", 1))
             continue
         batch = {k: v.to(device) for k, v in collate(chunk, pad_id).items()}
         value, m = loss(model, batch)
@@ -117,8 +119,12 @@ def backward(
     return metrics
 
 
-def _empty_pass(model: torch.nn.Module, device: torch.device) -> None:
-    """A forward/backward that adds zero to every gradient but takes part in the ranks' collectives."""
-    out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
-    out = getattr(out, "logits", out)  # a causal LM's output, or a value model's tensor
-    (out.float().sum() * 0.0).backward()
+def _empty_pass(model: torch.nn.Module, device: torch.device, passes: int = 1) -> None:
+    """``passes`` forward passes (as many as the loss makes per micro-batch: ``forward_passes``)
+    and a backward pass that add zero to every gradient but take part in the ranks' collectives."""
+    total = torch.zeros((), device=device)
+    for _ in range(passes):
+        out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
+        out = getattr(out, "logits", out)  # a causal LM's output, or a value model's tensor
+        total = total + out.float().sum() * 0.0
+    total.backward()

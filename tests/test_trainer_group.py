@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 from pathlib import Path
@@ -11,8 +12,9 @@ import torch
 
 from actors.rank_groups import TrainerGroup
 from algos.episodes import Episode
+from algos.shared_prefix import length_buckets
 from checkpointing.folders import CheckpointError
-from tests.configs import trainer_group
+from tests.configs import default_policy_loss, trainer_group
 from weightsync.store import WeightStore
 
 OPTIONS = {"lr": 3e-3, "max_grad_norm": 1.0}  # trainer settings; the default policy loss
@@ -77,6 +79,34 @@ def test_two_ranks_train_like_one(make_group, tiny_model_path, redis_url):
         assert two.push_weights(version)["ranks_wrote_over_spare"] == 2, version
         store.lease(version, "policy-0")
     store.close()
+
+
+@pytest.mark.timeout(300)  # a rank waiting for another's gather would wait for gloo's 30 minutes
+def test_two_ranks_train_like_one_whatever_passes_their_completions_need(make_group):
+    """FSDP2 ranks gather the parameters in every forward pass, so they must all make the same
+    ones: here rank 0's half of the batch needs one completion pass and rank 1's two (shared
+    prefix, ``completion_passes=3``), then rank 1 has no episode at all (its empty pass). Neither
+    step may hang, and both train as one rank does."""
+    loss = dataclasses.replace(default_policy_loss(), completion_passes=3)
+    one = make_group(1, "tg-passes-one", loss=loss)
+    two = make_group(2, "tg-passes-two", loss=loss)
+    rng = random.Random(5)
+
+    def episode(completion_len: int) -> Episode:
+        prompt = [rng.randrange(2, 15) for _ in range(rng.randint(3, 7))]
+        completion = [rng.randrange(1, 15) for _ in range(completion_len)]
+        logprobs = [-rng.random() * 3 for _ in completion]
+        return Episode(prompt, completion, logprobs, 0.0, 0, advantages=[rng.uniform(-1, 1)] * completion_len)
+
+    uniform = [episode(3) for _ in range(12)]  # rank 0's share: one pass
+    mixed = [episode(2 if i % 2 else 40) for i in range(12)]  # rank 1's: a pass for each length
+    widths = [[len(e.completion_ids) - 1 for e in share] for share in (uniform, mixed)]
+    assert [len(length_buckets(w, 3)) for w in widths] == [1, 2]
+    for batch in (uniform + mixed, [episode(30)]):
+        m1, m2 = one.train_step(batch), two.train_step(batch)
+        for key in ("loss", "clip_frac", "entropy", "grad_norm"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    _assert_same_weights(one.full_state_dict(), two.full_state_dict(), atol=5e-5)
 
 
 def test_an_update_with_a_non_finite_loss_is_skipped(make_group):
