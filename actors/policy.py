@@ -21,7 +21,8 @@ from weightsync.store import WeightStore
 if TYPE_CHECKING:
     from vllm import RequestOutput, TokensPrompt
 
-EXTENSION = "weightsync.vllm_extension.WeightSyncExtension"
+EXTENSION = "actors.policy_worker.PolicyWorkerExtension"
+ABORT_AGAIN_S = 0.05  # an update that aborts requests in flight aborts the ones left this often
 
 
 class PolicyWeightsInvalid(RuntimeError):
@@ -163,6 +164,7 @@ class Policy:
         self._state = asyncio.Condition()  # guards the three above
         self._requests = 0  # request ids handed out
         self.resampled = 0  # prompts aborted by an update and sampled again
+        self._aborted: list[str] = []  # their request ids, whose logprobs the worker may keep
         self.activity = EngineActivity(engine_activity, slot=cpu_share[0]) if engine_activity else None
 
     # -- admission: numbered calls in order, nothing in the engine across an update --------------
@@ -171,6 +173,7 @@ class Policy:
         if self.prepared_bytes_per_worker is None:
             async with self._prepare_lock:
                 if self.prepared_bytes_per_worker is None:
+                    await self.engine.collective_rpc("capture_sampled_logprobs")
                     self.prepared_bytes_per_worker = await self.engine.collective_rpc("prepare_weight_updates")
 
     async def _turn(self, seq: int | None) -> None:
@@ -263,8 +266,7 @@ class Policy:
                 n=n,
                 temperature=self.config.temperature,
                 max_tokens=self.config.max_tokens,
-                logprobs=0,  # the sampled token's alone: FlatLogprobs then holds one per position
-                flat_logprobs=True,
+                logprobs=0,  # the sampled token's alone, kept by the worker (see _take_logprobs)
                 detokenize=False,
                 seed=None if seed is None else seed + i * n,
                 output_kind=RequestOutputKind.FINAL_ONLY,
@@ -277,15 +279,16 @@ class Policy:
                 for rid, p, sp in zip(ids, prompt_ids, params, strict=True)
             )
         )
+        logprobs = await self._take_logprobs([out for out, _ in outputs], n)
         completions = [c for out, _ in outputs for c in out.outputs]
         # vLLM's own detokenizer defaults: special tokens (EOS) skipped.
         texts = iter(tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True))
         samples = [
             [
-                Sample(list(c.token_ids), sampled_logprobs(c), next(texts), c.finish_reason == "stop")
-                for c in out.outputs
+                Sample(list(c.token_ids), lps, next(texts), c.finish_reason == "stop")
+                for c, lps in zip(out.outputs, prompt_logprobs, strict=True)
             ]
-            for out, _ in outputs
+            for (out, _), prompt_logprobs in zip(outputs, logprobs, strict=True)
         ]
         return Generation(
             [list(p) for p in prompt_ids],
@@ -303,7 +306,28 @@ class Policy:
             if len(out.outputs) == params.n and all(c.finish_reason in ("stop", "length") for c in out.outputs):
                 return out, version
             self.resampled += 1
+            self._aborted.append(request_id)
             (request_id,), version = await self._admit(1, resample=True)
+
+    async def _take_logprobs(self, outputs: list[RequestOutput], n: int) -> list[list[list[float]]]:
+        """Each sample's logprobs, from the worker that sampled it (``actors.sampled_logprobs``:
+        vLLM's own path costs the engine's front end more than the rest of a short sample)."""
+        aborted, self._aborted = self._aborted, []
+        ids = [out.request_id for out in outputs]
+        taken = (await self.engine.collective_rpc("take_sampled_logprobs", args=(ids, n, aborted)))[0]
+        logprobs = []
+        for out, kept in zip(outputs, taken, strict=True):
+            row = []
+            for c in out.outputs:
+                pair = kept[c.index] if c.index < n else None
+                if pair is None or pair[0] != list(c.token_ids):
+                    raise RuntimeError(
+                        f"policy {self.replica!r}: the engine's worker kept no logprobs, or logprobs of other tokens, "
+                        f"for sample {c.index} of request {out.request_id!r}"
+                    )
+                row.append(pair[1])
+            logprobs.append(row)
+        return logprobs
 
     async def greedy(
         self, prompts: list[str], max_tokens: int | None = None, seq: int | None = None
@@ -352,6 +376,12 @@ class Policy:
             "resampled": self.resampled,
         }
 
+    async def kept_sampled_logprobs(self) -> list[int]:
+        """Per worker, the requests whose sampled logprobs it keeps that no call has taken (0
+        once every sampling call has returned)."""
+        await self._ready()
+        return await self.engine.collective_rpc("kept_sampled_logprobs")
+
     # -- weight updates --------------------------------------------------------------------------
 
     async def update_weights(self, version: int, in_flight: str = "finish", seq: int | None = None) -> dict:
@@ -373,11 +403,18 @@ class Policy:
             self._mark_activity()
         try:
             waited = time.perf_counter()
-            abortable = [rid for rid, resample in self._in_engine.items() if resample]
-            if in_flight == "resample" and abortable:
-                await self.engine.abort(abortable)
-            async with self._state:
-                await self._state.wait_for(lambda: not self._in_engine)
+            while True:
+                abortable = [rid for rid, resample in self._in_engine.items() if resample]
+                if in_flight == "resample" and abortable:
+                    # An admitted request reaches vLLM's front end a moment later: one that has
+                    # not yet is not aborted by this call, so repeat it until all have left.
+                    await self.engine.abort(abortable)
+                async with self._state:
+                    try:
+                        await asyncio.wait_for(self._state.wait_for(lambda: not self._in_engine), ABORT_AGAIN_S)
+                        break
+                    except TimeoutError:
+                        continue
             waited = time.perf_counter() - waited
             return await self._load(version) | {"in_flight_wait_s": waited}
         finally:
@@ -430,15 +467,6 @@ class Policy:
         if self.engine_files is not None:
             self.engine_files.remove()  # what the shutdown left, if anything
         remove_ipc_dir(self.ipc_dir)
-
-
-def sampled_logprobs(completion) -> list[float]:
-    """Each sampled token's log-probability from a completion asked for with ``logprobs=0`` and
-    ``flat_logprobs=True``: one entry per position, the sampled token's (vLLM puts it first)."""
-    flat = completion.logprobs
-    if list(flat.token_ids) != list(completion.token_ids):
-        raise RuntimeError("vLLM returned logprobs that are not one per sampled token")
-    return list(flat.logprobs)
 
 
 def _on_cpu() -> bool:

@@ -126,6 +126,7 @@ def test_an_update_while_requests_are_in_flight_reaches_the_engine_between_them(
             assert (
                 set(first.versions) == {201, 202} and first.versions.count(202) == first.resampled == now_resampled > 0
             )
+        assert ray_session.get(policy.kept_sampled_logprobs.remote()) == [0]  # aborted ones' too
         checked = {201: 0, 202: 0}
         for prompt_ids, group, version in zip(first.prompt_ids, first.samples, first.versions, strict=True):
             if checked[version] >= 3:
@@ -160,3 +161,24 @@ def test_samples_carry_the_prompt_tokens_and_texts_a_transformers_tokenizer_give
                 assert sample.token_ids[-1] == tokenizer.eos_token_id
                 assert tokenizer.eos_token not in sample.text
     assert finished > 0
+
+
+@pytest.mark.slow
+def test_sampling_beside_greedy_and_scoring_calls_leaves_no_logprobs_behind(policy, ray_session):
+    """The worker keeps the logprobs of sampling requests (``actors.sampled_logprobs``): greedy
+    and scoring requests batched with them are not kept, and each sample's logprobs are its own
+    tokens', as vLLM scores them again as a prompt (whatever weights the engine holds now)."""
+    prompts = [f"{x}+{y}=" for x in range(8) for y in range(8)]
+    sampled = policy.generate.remote(prompts, 8, 5)
+    greedy = policy.greedy.remote(prompts[:16])
+    scored = policy.prompt_logprobs.remote([[2, 3, 4, 5]] * 8)
+    generation, completions, _ = ray_session.get([sampled, greedy, scored])
+    assert len(completions) == 16
+    assert ray_session.get(policy.kept_sampled_logprobs.remote()) == [0]
+    pairs = [(p, s) for p, group in zip(generation.prompt_ids, generation.samples, strict=True) for s in group]
+    assert len(pairs) == 64 * 8
+    pairs = pairs[::37]
+    rescored = ray_session.get(policy.prompt_logprobs.remote([p + s.token_ids for p, s in pairs]))
+    for (prompt_ids, sample), row in zip(pairs, rescored, strict=True):
+        want = row[len(prompt_ids) :]
+        assert max(abs(x - y) for x, y in zip(sample.logprobs, want, strict=True)) < 1e-4
