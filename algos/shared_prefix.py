@@ -56,11 +56,12 @@ def data_parallel() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def add_zero_of(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``logits`` plus zero times ``out``: the same values, with ``out``'s pass in the autograd
-    graph (so that its backward pass, and the collectives FSDP2 makes in it, run too)."""
-    zero = torch.zeros(1, dtype=torch.long, device=logits.device)
-    return logits.index_put((zero, zero), logits[0, 0] + 0.0 * out.float().sum())
+def zero_pass(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """A one-token forward pass, summed and times zero: added to a loss it changes no value but
+    puts the pass in the autograd graph (so that its backward pass, and the collectives FSDP2
+    makes in both, run too). ``model`` returns a causal LM's output or a tensor (a value model)."""
+    out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
+    return getattr(out, "logits", out).float().sum() * 0.0
 
 
 def length_buckets(widths: list[int], passes: int, pass_cost: int | None = None) -> list[int]:
@@ -156,7 +157,9 @@ def _shared_prefix_logits(
         )
         r_take, s_take = take.nonzero(as_tuple=True)
         logits = logits.index_put((members[r_take], p_lens[r_take] + s_take), out.logits[r_take, s_take])
-    if data_parallel():  # as many passes as every other rank (module docstring)
-        for _ in range(completion_passes - len(buckets)):
-            logits = add_zero_of(logits, model(input_ids=input_ids[:1, :1]).logits)
+    missing = completion_passes - len(buckets)
+    if data_parallel() and missing > 0:  # as many passes as every other rank (module docstring)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        padding = sum(zero_pass(model, device) for _ in range(missing))
+        logits = logits.index_put((zero, zero), logits[0, 0] + padding)
     return logits

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from algos.episodes import Episode, collate
+from algos.shared_prefix import zero_pass
 
 
 class Loss(Protocol):
@@ -122,9 +123,4 @@ def backward(
 def _empty_pass(model: torch.nn.Module, device: torch.device, passes: int = 1) -> None:
     """``passes`` forward passes (as many as the loss makes per micro-batch: ``forward_passes``)
     and a backward pass that add zero to every gradient but take part in the ranks' collectives."""
-    total = torch.zeros((), device=device)
-    for _ in range(passes):
-        out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
-        out = getattr(out, "logits", out)  # a causal LM's output, or a value model's tensor
-        total = total + out.float().sum() * 0.0
-    total.backward()
+    sum(zero_pass(model, device) for _ in range(passes)).backward()
