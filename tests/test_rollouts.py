@@ -99,19 +99,22 @@ def test_an_update_queued_behind_requests_reaches_the_engine_between_them(
 def test_an_update_while_requests_are_in_flight_reaches_the_engine_between_them(
     policy, ray_session, redis_url, tiny_model_path, tmp_path, in_flight
 ):
-    """A batch large enough to keep the engine busy, then an update to version B made while its
-    requests are in the engine, then a second batch. ``finish``: the update waits and the whole
-    first batch is version A's; ``resample``: the update aborts what is in flight, and those
-    prompts are sampled again by B (and say so). Either way each prompt's logprobs are those of
-    the version it names, and the batch asked for after the update is B's."""
+    """A batch large enough to keep the engine busy, then an update to version B made once some
+    of its prompts are done and the others are in the engine, then a second batch. ``finish``:
+    the update waits and the whole first batch is version A's; ``resample``: the update aborts
+    what is in flight, and those prompts are sampled again by B (and say so). Either way each
+    prompt's logprobs are those of the version it names, and the batch asked for after the
+    update is B's."""
     with _two_versions(policy, ray_session, redis_url, tiny_model_path, tmp_path, 201, (3, 4)) as (a, b):
         status = ray_session.get(policy.status.remote())
         seq, resampled = status["calls"], status["resampled"]
         prompts = [f"{x}+{y}=" for x in range(16) for y in range(32)]
         busy = policy.generate.remote(prompts, 8, 5, seq=seq)
         deadline = time.monotonic() + 60
-        while ray_session.get(policy.status.remote())["in_engine"] == 0:
-            assert time.monotonic() < deadline, "the batch never reached the engine"
+        # Some prompts done, the others in flight: the update must leave the first version's and
+        # (resample) abort every one of the others, wherever in vLLM each is.
+        while not 0 < ray_session.get(policy.status.remote())["in_engine"] < len(prompts):
+            assert time.monotonic() < deadline, "the batch never got partly done"
             time.sleep(0.005)
         update = policy.update_weights.remote(202, in_flight, seq=seq + 1)
         after = policy.generate.remote(prompts[:4], 2, 9, seq=seq + 2)
