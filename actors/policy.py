@@ -286,9 +286,9 @@ class Policy:
         samples = [
             [
                 Sample(list(c.token_ids), lps, next(texts), c.finish_reason == "stop")
-                for c, lps in zip(out.outputs, prompt_logprobs, strict=True)
+                for c, lps in zip(out.outputs, group_logprobs, strict=True)
             ]
-            for (out, _), prompt_logprobs in zip(outputs, logprobs, strict=True)
+            for (out, _), group_logprobs in zip(outputs, logprobs, strict=True)
         ]
         return Generation(
             [list(p) for p in prompt_ids],
@@ -403,15 +403,16 @@ class Policy:
             self._mark_activity()
         try:
             waited = time.perf_counter()
+            # An admitted request reaches vLLM's front end a moment later: an abort misses one that
+            # has not yet, so resample aborts the requests left until none is.
+            again_s = ABORT_AGAIN_S if in_flight == "resample" else None
             while True:
                 abortable = [rid for rid, resample in self._in_engine.items() if resample]
                 if in_flight == "resample" and abortable:
-                    # An admitted request reaches vLLM's front end a moment later: one that has
-                    # not yet is not aborted by this call, so repeat it until all have left.
                     await self.engine.abort(abortable)
                 async with self._state:
                     try:
-                        await asyncio.wait_for(self._state.wait_for(lambda: not self._in_engine), ABORT_AGAIN_S)
+                        await asyncio.wait_for(self._state.wait_for(lambda: not self._in_engine), again_s)
                         break
                     except TimeoutError:
                         continue

@@ -25,7 +25,7 @@ import re
 from collections import OrderedDict
 
 _WORKER_ID = re.compile(r"^(?:(\d+)_)?(.+)-[0-9a-f]{8}$")
-MAX_KEPT = 1 << 16  # requests remembered (each kind); the oldest are forgotten beyond it
+MAX_KEPT = 1 << 16  # requests remembered (kept, discarded); the oldest are forgotten beyond it
 
 
 def request_key(worker_request_id: str) -> tuple[str, int] | None:
@@ -41,7 +41,6 @@ class SampledLogprobsCapture:
 
     _captured: OrderedDict[str, tuple[list[int], list[float]]]
     _discarded: OrderedDict[str, None]
-    _ignored: OrderedDict[str, None]
 
     def capture_sampled_logprobs(self) -> bool:
         """Start keeping sampled logprobs here (repeated calls do nothing)."""
@@ -49,16 +48,13 @@ class SampledLogprobsCapture:
         if getattr(runner.sample_tokens, "captures_logprobs", False):
             return True
         self._captured = OrderedDict()
-        # Front-end ids of aborted requests, and worker ids of their samples that vLLM still ran:
-        # an aborted request's samples may reach the engine after the abort (vLLM sends them one
-        # by one), and nothing would take their logprobs.
-        self._discarded: OrderedDict[str, None] = OrderedDict()
-        self._ignored: OrderedDict[str, None] = OrderedDict()
+        # Front-end ids of aborted requests: an aborted request's samples may reach the engine
+        # after the abort (vLLM sends them one by one), and nothing would take their logprobs.
+        self._discarded = OrderedDict()
         vllm_sample_tokens = runner.sample_tokens
 
         def sample_tokens(*args, **kwargs):
-            asked = runner.input_batch.num_logprobs
-            wanted = {rid for rid in runner.input_batch.req_ids if rid in asked}
+            wanted = set(runner.input_batch.num_logprobs)  # the batch's requests that asked for logprobs
             output = vllm_sample_tokens(*args, **kwargs)
             if not wanted:
                 return output
@@ -88,9 +84,7 @@ class SampledLogprobsCapture:
             kept = self._captured.get(rid)
             if kept is None:
                 key = request_key(rid)
-                if rid in self._ignored or (key is not None and key[0] in self._discarded):
-                    self._ignored[rid] = None
-                    _bound(self._ignored)
+                if key is not None and key[0] in self._discarded:
                     continue
                 kept = self._captured[rid] = ([], [])
                 _bound(self._captured)
