@@ -134,15 +134,19 @@ class ValueLoss:
         values = token_values(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).float())
         returns, old = batch["returns"], batch["values"]
         loss_tokens = (values - returns) ** 2
-        clipped_tokens = loss_tokens
+        clipped_tokens, used_clipped = loss_tokens, torch.zeros_like(mask, dtype=torch.bool)
         if self.clip is not None:
-            clipped = old + torch.clamp(values - old, -self.clip, self.clip)
-            clipped_tokens = torch.maximum(loss_tokens, (clipped - returns) ** 2)
+            # Only a value outside old +- clip is clipped: inside, old + (V - old) can differ from V
+            # by a rounding, and a bare max would count (and use) that as clipped.
+            outside = (values - old).abs() > self.clip
+            clipped_loss = (old + torch.clamp(values - old, -self.clip, self.clip) - returns) ** 2
+            used_clipped = outside & (clipped_loss > loss_tokens)
+            clipped_tokens = torch.where(used_clipped, clipped_loss, loss_tokens)
         loss = 0.5 * masked_mean(clipped_tokens, mask)
         with torch.no_grad():
             metrics = {
                 "loss": loss.item(),
-                "value_clip_frac": masked_mean((clipped_tokens > loss_tokens).to(mask.dtype), mask).item(),
+                "value_clip_frac": masked_mean(used_clipped.to(mask.dtype), mask).item(),
                 "value_mean": masked_mean(values, mask).item(),
             }
         return loss, metrics
