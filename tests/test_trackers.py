@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from rich.console import Console
 
@@ -53,6 +55,9 @@ def test_wandb_offline_logs_every_row_and_a_resume_continues_the_same_run(tmp_pa
     for row in _rows(range(3)):
         tracker.log(row)
     tracker.close()
+    # W&B names a run's folder by its start time, to the second: a resume started within the same
+    # second as the first run would share its folder (a real resume restarts the whole run first).
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)
     tracker = WandbTracker(tmp_path, "run-a", cfg, {"steps": 6}, resume=True)
     for row in _rows(range(3, 5)):
         tracker.log(row)
