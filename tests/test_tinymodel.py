@@ -30,6 +30,9 @@ def test_built_directory_is_a_normal_hf_model_that_is_imperfect(tiny_model_path)
     assert config["model_type"] == "qwen3"
     assert config["num_attention_heads"] % 2 == 0 and config["num_key_value_heads"] == 2  # splits for TP=2
     assert 0.1 < report["warm_start_eval_accuracy"] < 0.6  # signal for GRPO, and room to improve
+    # The warm start ran until its train probe reached the target, not to the step cap.
+    assert report["warm_start_train_probe_accuracy"] >= report["recipe"]["warm_start_target_accuracy"]
+    assert report["warm_start_steps"] < report["recipe"]["warm_start_max_steps"]
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert tok.decode(tok.encode("12+7=")) == "12+7="
@@ -44,7 +47,7 @@ def test_cache_is_keyed_by_recipe_and_reused(tmp_path):
         num_kv_heads=2,
         head_dim=8,
         intermediate_size=32,
-        warm_start_steps=2,
+        warm_start_max_steps=2,
         warm_start_batch=8,
         task_eval_size=20,
     )
@@ -52,7 +55,7 @@ def test_cache_is_keyed_by_recipe_and_reused(tmp_path):
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_model(recipe, tmp_path) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
-    other = ensure_tiny_model(TinyModelRecipe(**{**recipe.__dict__, "warm_start_steps": 3}), tmp_path)
+    other = ensure_tiny_model(TinyModelRecipe(**{**recipe.__dict__, "warm_start_max_steps": 3}), tmp_path)
     assert other != first
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftover temp dirs
 

@@ -2,7 +2,10 @@
 
 A character-level tokenizer trained locally on the arithmetic task's alphabet, a small
 Qwen3-architecture ``transformers`` model, and a short supervised warm start on the task's train
-split that leaves it clearly imperfect (so GRPO has room to improve). The result is a normal
+split that leaves it clearly imperfect (so GRPO has room to improve): it stops once greedy decoding
+gets ``warm_start_target_accuracy`` of a fixed sample of the train split right. A fixed step count
+would not do: the accuracy climbs steeply in that range, and the same steps on CPUs with other
+vector units (other float rounding in the GEMMs) left it at far apart accuracies. The result is a normal
 Hugging Face directory (config.json, model.safetensors, tokenizer files) that both
 ``transformers`` and vLLM load.
 
@@ -20,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -34,7 +38,7 @@ from tasks.base import Problem, TaskConfig, shuffled_batches
 log = logging.getLogger(__name__)
 
 # Bump when the build code changes in a way the recipe fields do not capture.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -52,8 +56,13 @@ class TinyModelRecipe:
     head_dim: int = 32
     intermediate_size: int = 384
     max_position_embeddings: int = 64
-    # Supervised warm start on the task's train split (same operand range and seed as the task).
-    warm_start_steps: int = 450
+    # Supervised warm start on the task's train split (same operand range and seed as the task),
+    # until greedy decoding gets warm_start_target_accuracy of warm_start_probe_size train problems
+    # right (checked every warm_start_check_every steps), or for warm_start_max_steps at most.
+    warm_start_target_accuracy: float = 0.3
+    warm_start_max_steps: int = 2000
+    warm_start_check_every: int = 10
+    warm_start_probe_size: int = 500
     warm_start_batch: int = 128
     warm_start_lr: float = 3e-3
     task_low: int = 0
@@ -148,20 +157,39 @@ def sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.T
     return ids, mask, labels
 
 
-def warm_start(model, tokenizer, recipe: TinyModelRecipe) -> None:
+def warm_start(model, tokenizer, recipe: TinyModelRecipe) -> tuple[int, float]:
+    """Supervised steps until the probe's greedy accuracy reaches the target (or the step cap).
+    Returns (steps taken, the probe's last accuracy)."""
+    train = recipe.split()[0]
+    probe = random.Random(recipe.seed).sample(train, min(recipe.warm_start_probe_size, len(train)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.warm_start_lr, weight_decay=0.0)
-    batches = shuffled_batches(recipe.split()[0], recipe.warm_start_batch, recipe.seed)
-    model.train()
-    for step in range(recipe.warm_start_steps):
+    batches = shuffled_batches(train, recipe.warm_start_batch, recipe.seed)
+    probe_accuracy, step = 0.0, 0
+    while step < recipe.warm_start_max_steps:
+        model.train()
         ids, mask, labels = sft_batch(tokenizer, next(batches))
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == recipe.warm_start_steps - 1:
-            log.info("warm start step %d/%d loss %.4f", step + 1, recipe.warm_start_steps, loss.item())
+        step += 1
+        if step % recipe.warm_start_check_every == 0 or step == recipe.warm_start_max_steps:
+            model.eval()
+            probe_accuracy = greedy_accuracy(model, tokenizer, probe)
+            if step % 50 == 0:
+                log.info("warm start step %d: loss %.4f, train-probe accuracy %.3f", step, loss.item(), probe_accuracy)
+            if probe_accuracy >= recipe.warm_start_target_accuracy:
+                break
     model.eval()
+    if probe_accuracy < recipe.warm_start_target_accuracy:
+        log.warning(
+            "the warm start stopped at its cap of %d steps with train-probe accuracy %.3f, short of the target %.3f",
+            step,
+            probe_accuracy,
+            recipe.warm_start_target_accuracy,
+        )
+    return step, probe_accuracy
 
 
 @torch.no_grad()
@@ -189,7 +217,7 @@ def build(recipe: TinyModelRecipe, out_dir: Path) -> dict:
     start = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(recipe, tokenizer)
-    warm_start(model, tokenizer, recipe)
+    steps, probe_accuracy = warm_start(model, tokenizer, recipe)
     accuracy = greedy_accuracy(model, tokenizer, recipe.split()[1])
     model.generation_config.do_sample = False
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -199,6 +227,8 @@ def build(recipe: TinyModelRecipe, out_dir: Path) -> dict:
         "recipe_version": RECIPE_VERSION,
         "digest": recipe.digest(),
         "params": sum(p.numel() for p in model.parameters()),
+        "warm_start_steps": steps,
+        "warm_start_train_probe_accuracy": probe_accuracy,
         "warm_start_eval_accuracy": accuracy,
         "build_s": round(time.perf_counter() - start, 1),
     }
