@@ -85,7 +85,7 @@ def test_two_critic_ranks_train_like_one_and_resume_from_a_checkpoint(make_criti
         m1, m2 = one.train_step(batch), two.train_step(batch)
         for key in ("loss", "value_clip_frac", "value_mean", "grad_norm", "lr"):
             assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (step, key)
-    _assert_same_weights(one.full_state_dict(), two.full_state_dict(), atol=5e-5)
+    _assert_same_weights(one.full_state_dict(), two.full_state_dict(), atol=5e-5, adam_lr=3e-3)
 
     ckpt = tmp_path / "critic"
     ckpt.mkdir()

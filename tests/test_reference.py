@@ -45,8 +45,11 @@ def test_completion_logprobs_in_several_passes_match_transformers(tiny_model_pat
 
 
 def _max_diff(a, b) -> float:
+    """The largest difference, relative to the expected logprob where that is below -1: float32
+    rounding in a differently batched pass grows with the logits (the warm-started model puts
+    some tokens at -13)."""
     assert [len(x) for x in a] == [len(y) for y in b]
-    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    return max(abs(x - y) / max(1.0, abs(y)) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
 def _reference(ray_session, model_path, gpus=0, **kwargs):
