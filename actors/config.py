@@ -20,6 +20,7 @@ class PolicyConfig:
     max_num_seqs: int  # sequences the engine runs in one step
     max_num_batched_tokens: int  # tokens the engine runs in one step (prefill chunks + decodes)
     enforce_eager: bool
+    async_scheduling: bool  # vLLM schedules a step while its worker computes the one before
     temperature: float
     max_tokens: int
     in_flight: str  # what a weight update does to the requests in flight: finish | resample

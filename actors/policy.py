@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import ray
 
-from actors import vllm_cpu_waits
+from actors import vllm_cpu_async_scheduling, vllm_cpu_waits
 from actors.config import IN_FLIGHT_MODES, PolicyConfig
 from actors.engine_activity import EngineActivity
 from actors.engine_errors import engine_start_error, is_engine_start_failure, log_sizes, own_logs
@@ -111,6 +111,7 @@ class Policy:
             _bind_tp_workers_on_cpu(config.tp, *cpu_share)
         if _on_cpu():
             os.environ[vllm_cpu_waits.ENV] = "1"  # the engine's processes inherit it
+            os.environ[vllm_cpu_async_scheduling.ENV] = "1" if config.async_scheduling else "0"
         # The engine's ZeroMQ sockets go to a folder of its own, removed when it stops (vLLM
         # leaves them in the temp folder otherwise; see actors.engine_shm).
         self.ipc_dir = private_ipc_dir()
@@ -133,6 +134,7 @@ class Policy:
                     max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=config.max_num_batched_tokens,
                     enforce_eager=config.enforce_eager,
+                    async_scheduling=config.async_scheduling,
                     seed=seed,
                     worker_extension_cls=EXTENSION,
                     disable_log_stats=True,
@@ -320,12 +322,15 @@ class Policy:
             row = []
             for c in out.outputs:
                 pair = kept[c.index] if c.index < n else None
-                if pair is None or pair[0] != list(c.token_ids):
+                # With async scheduling the worker samples one step past a stop token before the
+                # scheduler sees it: the engine drops that token, and so does this.
+                length = len(c.token_ids)
+                if pair is None or pair[0][:length] != list(c.token_ids):
                     raise RuntimeError(
                         f"policy {self.replica!r}: the engine's worker kept no logprobs, or logprobs of other tokens, "
                         f"for sample {c.index} of request {out.request_id!r}"
                     )
-                row.append(pair[1])
+                row.append(pair[1][:length])
             logprobs.append(row)
         return logprobs
 

@@ -16,7 +16,9 @@ Requests that ask for none (greedy evaluation, scoring with ``prompt_logprobs``)
 vLLM names the requests in its worker ``<id>-<8 hex>`` (the front end's id and a random suffix)
 and the samples of a request with ``n > 1`` ``<i>_<id>-<8 hex>``; ``request_key`` reads these
 back into the front end's id and the sample's index, and ``take_sampled_logprobs`` also returns
-the captured tokens, so a caller checks they are the ones it received.
+the captured tokens, so a caller checks they are the ones it received. Under async scheduling
+the worker samples a step ahead of the scheduler, so a request that stopped may have one more
+token (and logprob) here than the engine returned: the caller keeps the returned length.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ class SampledLogprobsCapture:
         if getattr(runner.sample_tokens, "captures_logprobs", False):
             return True
         self._captured = OrderedDict()
-        # Front-end ids of aborted requests: an aborted request's samples may reach the engine
-        # after the abort (vLLM sends them one by one), and nothing would take their logprobs.
+        # Front-end ids of taken and aborted requests: an aborted request's samples may reach the
+        # engine after the abort (vLLM sends them one by one), and under async scheduling a taken
+        # request's sample one step past its stop may come after the take; nothing would take
+        # their logprobs.
         self._discarded = OrderedDict()
         vllm_sample_tokens = runner.sample_tokens
 
@@ -107,7 +111,9 @@ class SampledLogprobsCapture:
         of ``discard`` (ids of requests that were aborted) are only removed."""
         wanted = {rid: i for i, rid in enumerate(request_ids)}
         dropped = set(discard)
-        for rid in dropped:
+        # Taken or aborted: a sample of theirs that comes later (async scheduling samples a step
+        # past a stop, in the worker's output thread) is dropped instead of kept for nobody.
+        for rid in (*request_ids, *discard):
             self._discarded[rid] = None
             _bound(self._discarded)
         out: list[list] = [[None] * n for _ in request_ids]
