@@ -1,4 +1,4 @@
-"""End-to-end benchmark: ``python -m bench.e2e [--steps 150] [--systems rlsys,rlsys-async,trl]``.
+"""End-to-end benchmark: ``python -m bench.e2e [--steps 150] [--systems rlsys,rlsys-async,trl] [--seeds 0,1,2]``.
 
 Our GRPO (``python -m apps.grpo``) against TRL's ``GRPOTrainer`` (``bench/trl_grpo.py``), one
 after the other in one run on this machine, on the embedded tiny model and the arithmetic task
@@ -27,6 +27,13 @@ next batch is sampled while a step trains; at 136m also ``trainer.idle_policy_th
 while the trainer keeps float32, as GPU runs do by default; the loss's importance ratio corrects
 for the rollout logprobs being bfloat16's) and ``trl``. Each row records the overrides its run
 used.
+
+``--seeds``: at the scales that measure accuracy each system runs once per seed (the run's
+``seed``: its prompts' order and sampling, on both sides; every seed starts from the same model,
+the one the config's seed builds), a row each, and the table is followed by each system's mean
+held-out accuracy over the seeds and its spread (one seed's accuracy is within the run-to-run
+spread of a comparison); other scales run the first seed only. Without it: the config's seed,
+once.
 
 Needs the ``bench`` extra (TRL): ``pip install -e '.[bench]'``. Prints a table and writes
 ``bench/results/e2e.json`` (a list, one object per system and scale).
@@ -111,12 +118,26 @@ class Scale:
     accuracy: bool  # held-out accuracy means something (a trained model, not random weights)
     async_settings: tuple[str, ...] = ()  # what rlsys-async adds at this scale
 
-    def overrides(self) -> list[str]:
-        return [f"steps={self.steps}", "eval_every=0", "checkpoint.every=0", *self.settings]
+    def overrides(self, seed: int | None = None) -> list[str]:
+        seeded = [] if seed is None else [f"seed={seed}"]
+        return [f"steps={self.steps}", "eval_every=0", "checkpoint.every=0", *self.settings, *seeded]
 
-    def ours(self, system: str) -> list[str]:
-        """apps.grpo overrides of one of our systems at this scale."""
-        return [*self.overrides(), *OURS[system], *(self.async_settings if system.startswith("rlsys-async") else ())]
+    def ours(self, system: str, seed: int | None = None, model_path: str | None = None) -> list[str]:
+        """apps.grpo overrides of one of our systems at this scale (``model_path``: the model the
+        run starts from where a seed would otherwise build a tiny model of its own)."""
+        async_settings = self.async_settings if system.startswith("rlsys-async") else ()
+        start = [] if seed is None or model_path is None else [f"model.path={model_path}"]
+        return [*self.overrides(seed), *OURS[system], *async_settings, *start]
+
+    def seeds(self, seeds: list[int] | None) -> list[int | None]:
+        """The seeds this scale runs: all of them where it measures accuracy, else the first."""
+        if not seeds:
+            return [None]
+        return list(seeds) if self.accuracy else seeds[:1]
+
+
+def run_name(system: str, scale: Scale, seed: int | None) -> str:
+    return f"{system}-{scale.name}" + ("" if seed is None else f"-seed{seed}")
 
 
 def scales(names: list[str], steps: int, steps_136m: int) -> list[Scale]:
@@ -155,11 +176,20 @@ OURS = {  # system -> apps.grpo overrides
 }
 
 
-def run_ours(work: Path, scale: Scale, system: str = "rlsys") -> dict:
+def run_ours(
+    work: Path, scale: Scale, system: str = "rlsys", seed: int | None = None, model_path: str | None = None
+) -> dict:
     out = work / "outputs"
-    name = f"{system}-{scale.name}"
+    name = run_name(system, scale, seed)
     wall_s, peak = run_measured(
-        [sys.executable, "-m", "apps.grpo", *scale.ours(system), f"output_dir={out}", f"run_name={name}"],
+        [
+            sys.executable,
+            "-m",
+            "apps.grpo",
+            *scale.ours(system, seed, model_path),
+            f"output_dir={out}",
+            f"run_name={name}",
+        ],
         work / f"{name}.log",
     )
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
@@ -183,15 +213,15 @@ def run_ours(work: Path, scale: Scale, system: str = "rlsys") -> dict:
     }
 
 
-def run_trl(work: Path, scale: Scale, model_path: str) -> dict:
+def run_trl(work: Path, scale: Scale, model_path: str, seed: int | None = None) -> dict:
     from apps.grpo.config import compose_config
 
-    cfg = compose_config(*scale.overrides())
-    name = f"trl-{scale.name}"
+    cfg = compose_config(*scale.overrides(seed))
+    name = run_name("trl", scale, seed)
     settings = {
         "output_dir": str(work / name),
         "model_path": model_path,
-        "overrides": scale.overrides(),
+        "overrides": scale.overrides(seed),
         "threads": os.cpu_count(),
         "loss_type": TRL_LOSS[cfg.algo.loss_aggregation],
     }
@@ -227,12 +257,33 @@ def _cell(value) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["system", "scale", "median_step_s", "completions_per_s", "completion_len_mean", "train_s", "wall_s"]
-    cols += ["heldout_accuracy", "peak_rss_mib"]
+    seeded = ["seed"] if any(r.get("seed") is not None for r in rows) else []
+    cols = ["system", "scale", *seeded, "median_step_s", "completions_per_s", "completion_len_mean", "train_s"]
+    cols += ["wall_s", "heldout_accuracy", "peak_rss_mib"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
         lines.append(" | ".join(_cell(r[c]) for c in cols))
     return "\n".join(lines)
+
+
+def accuracy_over_seeds(rows: list[dict]) -> list[str]:
+    """Per system and scale run with several seeds: the mean held-out accuracy, its spread
+    (sample standard deviation) and the seeds' own."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if r.get("seed") is not None and r["heldout_accuracy"] is not None:
+            runs.setdefault((r["system"], r["scale"]), []).append(r)
+    lines = []
+    for (system, scale), group in runs.items():
+        if len(group) < 2:
+            continue
+        accs = [r["heldout_accuracy"] for r in group]
+        each = ", ".join(f"seed {r['seed']}: {r['heldout_accuracy']:.3f}" for r in group)
+        lines.append(
+            f"{system} {scale} held-out accuracy over {len(accs)} seeds: mean {statistics.mean(accs):.3f}, "
+            f"sd {statistics.stdev(accs):.3f} ({each})"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,9 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="steps at the tiny scale")
     parser.add_argument("--steps-136m", type=int, default=6)
     parser.add_argument("--systems", default="rlsys,rlsys-async,rlsys-async-bf16,trl")
+    parser.add_argument(
+        "--seeds", default="", help="comma-separated run seeds (accuracy scales run each); default: the config's"
+    )
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench-e2e"), help="logs and models (replaced)")
     args = parser.parse_args(argv)
     systems = args.systems.split(",")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else []
+    except ValueError:
+        print(f"bench.e2e: --seeds takes comma-separated integers, not {args.seeds!r}", file=sys.stderr)
+        return 2
     unknown = set(systems) - {*OURS, "trl"}
     if unknown:
         print(f"bench.e2e: unknown systems {sorted(unknown)}; systems: {', '.join([*OURS, 'trl'])}", file=sys.stderr)
@@ -265,16 +324,21 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_config(*scale.overrides())
         model_path = resolve_model_path(cfg)  # the tiny model is built once, untimed
         per_step = cfg.prompts_per_step * cfg.algo.group_size
-        for system in systems:
-            print(f"bench.e2e: {system} at {scale.name} scale, {scale.steps} steps...", flush=True)
-            result = run_ours(work, scale, system) if system in OURS else run_trl(work, scale, model_path)
+        for seed, system in ((seed, system) for seed in scale.seeds(seeds) for system in systems):
+            seeded = "" if seed is None else f", seed {seed}"
+            print(f"bench.e2e: {system} at {scale.name} scale, {scale.steps} steps{seeded}...", flush=True)
+            if system in OURS:
+                result = run_ours(work, scale, system, seed, model_path)
+            else:
+                result = run_trl(work, scale, model_path, seed)
             median = statistics.median(result["step_s"])
             rows.append(
                 {
                     "system": system,
                     "scale": scale.name,
+                    "seed": seed,
                     "mode": result["mode"],
-                    "overrides": scale.ours(system) if system in OURS else scale.overrides(),
+                    "overrides": scale.ours(system, seed, model_path) if system in OURS else scale.overrides(seed),
                     "steps": scale.steps,
                     "completions_per_step": per_step,
                     "max_tokens": cfg.policy.max_tokens,
@@ -296,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             busy = ", ".join(f"{side} {share:.0%}" for side, share in r["busy_fraction"].items())
             phases = ", ".join(f"{k} {v:.3f}" for k, v in r["median_phase_s"].items())
             print(f"{r['system']} {r['scale']} median phases (s): {phases}; busy: {busy}")
+    for line in accuracy_over_seeds(rows):
+        print(line)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"wrote {RESULTS}")

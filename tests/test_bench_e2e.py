@@ -38,3 +38,40 @@ def test_table_has_a_row_per_system():
     lines = table([row, row | {"system": "trl", "scale": "136m", "heldout_accuracy": None}]).splitlines()
     assert lines[0].startswith("system | scale | median_step_s") and len(lines) == 4
     assert lines[3] == "trl | 136m | 1.000 | 512.000 | 3.500 | 150.000 | 200.000 | - | 5000"
+
+
+def test_seeds_run_every_system_at_accuracy_scales_from_one_start_model():
+    from bench.e2e import Scale, accuracy_over_seeds
+
+    tiny, other = Scale("tiny", 150, [], True), Scale("136m", 6, ["model.path=/m"], False)
+    assert tiny.seeds([0, 1, 2]) == [0, 1, 2] and other.seeds([0, 1, 2]) == [0] and tiny.seeds([]) == [None]
+    seeded = tiny.ours("rlsys-async", 1, "/tiny")
+    assert "seed=1" in seeded and "model.path=/tiny" in seeded and "mode=async" in seeded
+    assert not any(o.startswith(("seed=", "model.path=")) for o in tiny.ours("rlsys", None, "/tiny"))
+    rows = [
+        {"system": s, "scale": "tiny", "seed": seed, "heldout_accuracy": acc}
+        for s, seed, acc in [("rlsys", 0, 0.5), ("rlsys", 1, 0.6), ("trl", 0, 0.4), ("trl", 1, 0.4)]
+    ]
+    lines = accuracy_over_seeds([*rows, {"system": "rlsys", "scale": "136m", "seed": 0, "heldout_accuracy": None}])
+    assert lines == [
+        "rlsys tiny held-out accuracy over 2 seeds: mean 0.550, sd 0.071 (seed 0: 0.500, seed 1: 0.600)",
+        "trl tiny held-out accuracy over 2 seeds: mean 0.400, sd 0.000 (seed 0: 0.400, seed 1: 0.400)",
+    ]
+
+
+def test_table_names_the_seed_of_seeded_rows():
+    row = {
+        "system": "rlsys",
+        "scale": "tiny",
+        "seed": 2,
+        "median_step_s": 1.0,
+        "completions_per_s": 512.0,
+        "completion_len_mean": 3.5,
+        "train_s": 150.0,
+        "wall_s": 200.0,
+        "heldout_accuracy": 0.56,
+        "peak_rss_mib": 5000,
+    }
+    lines = table([row]).splitlines()
+    assert lines[0].startswith("system | scale | seed | median_step_s")
+    assert lines[2].startswith("rlsys | tiny | 2 | 1.000")
