@@ -8,6 +8,18 @@ import sys
 from algos.policy_loss import LOSS_AGGREGATIONS
 from bench.e2e import TRL_LOSS, PeakRss, table
 
+ROW = {  # a row of bench.e2e's table
+    "system": "rlsys",
+    "scale": "tiny",
+    "median_step_s": 1.0,
+    "completions_per_s": 512.0,
+    "completion_len_mean": 3.5,
+    "train_s": 150.0,
+    "wall_s": 200.0,
+    "heldout_accuracy": 0.56,
+    "peak_rss_mib": 5000,
+}
+
 
 def test_every_loss_aggregation_has_its_trl_loss_type():
     assert set(TRL_LOSS) == set(LOSS_AGGREGATIONS)
@@ -24,18 +36,7 @@ def test_peak_rss_counts_the_children_of_the_process():
 
 
 def test_table_has_a_row_per_system():
-    row = {
-        "system": "rlsys",
-        "scale": "tiny",
-        "median_step_s": 1.0,
-        "completions_per_s": 512.0,
-        "completion_len_mean": 3.5,
-        "train_s": 150.0,
-        "wall_s": 200.0,
-        "heldout_accuracy": 0.56,
-        "peak_rss_mib": 5000,
-    }
-    lines = table([row, row | {"system": "trl", "scale": "136m", "heldout_accuracy": None}]).splitlines()
+    lines = table([ROW, ROW | {"system": "trl", "scale": "136m", "heldout_accuracy": None}]).splitlines()
     assert lines[0].startswith("system | scale | median_step_s") and len(lines) == 4
     assert lines[3] == "trl | 136m | 1.000 | 512.000 | 3.500 | 150.000 | 200.000 | - | 5000"
 
@@ -60,18 +61,6 @@ def test_seeds_run_every_system_at_accuracy_scales_from_one_start_model():
 
 
 def test_table_names_the_seed_of_seeded_rows():
-    row = {
-        "system": "rlsys",
-        "scale": "tiny",
-        "seed": 2,
-        "median_step_s": 1.0,
-        "completions_per_s": 512.0,
-        "completion_len_mean": 3.5,
-        "train_s": 150.0,
-        "wall_s": 200.0,
-        "heldout_accuracy": 0.56,
-        "peak_rss_mib": 5000,
-    }
-    lines = table([row]).splitlines()
+    lines = table([ROW | {"seed": 2}]).splitlines()
     assert lines[0].startswith("system | scale | seed | median_step_s")
     assert lines[2].startswith("rlsys | tiny | 2 | 1.000")
