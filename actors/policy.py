@@ -134,7 +134,8 @@ class Policy:
                     max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=config.max_num_batched_tokens,
                     enforce_eager=config.enforce_eager,
-                    async_scheduling=config.async_scheduling,
+                    # None: vLLM decides (on where its executor supports it); False: off.
+                    async_scheduling=None if config.async_scheduling else False,
                     seed=seed,
                     worker_extension_cls=EXTENSION,
                     disable_log_stats=True,
