@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_config(*scale.overrides())
         model_path = resolve_model_path(cfg)  # the tiny model is built once, untimed
         per_step = cfg.prompts_per_step * cfg.algo.group_size
-        for seed, system in ((seed, system) for seed in scale.seeds(seeds) for system in systems):
+        for seed, system in itertools.product(scale.seeds(seeds), systems):
             seeded = "" if seed is None else f", seed {seed}"
             print(f"bench.e2e: {system} at {scale.name} scale, {scale.steps} steps{seeded}...", flush=True)
             if system in OURS:
