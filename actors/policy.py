@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -105,10 +106,11 @@ class Policy:
         check_model_dir(model_path)  # here, on this actor's host (see actors.modeling)
         self.config = config
         self.verify = verify
+        other_workers: set[int] = set()  # CPUs other replicas' workers on this host are bound to
         if config.omp_threads_bind:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.omp_threads_bind
         else:
-            _bind_tp_workers_on_cpu(config.tp, *cpu_share)
+            other_workers = _bind_tp_workers_on_cpu(config.tp, *cpu_share)
         if _on_cpu():
             os.environ[vllm_cpu_waits.ENV] = "1"  # the engine's processes inherit it
             os.environ[vllm_cpu_async_scheduling.ENV] = "1" if config.async_scheduling else "0"
@@ -151,6 +153,8 @@ class Policy:
             raise
         if self.engine_files is not None:
             self.engine_files.started()
+        # The CPUs this process and the engine core run on (None: wherever the OS puts them).
+        self.engine_process_cpus = _keep_engine_processes_off_worker_cpus(other_workers) if _on_cpu() else None
         self.redis_url = redis_url
         self.run = run
         self.replica = replica
@@ -482,17 +486,53 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def _bind_tp_workers_on_cpu(tp: int, replica: int, replicas: int) -> None:
+def _bind_tp_workers_on_cpu(tp: int, replica: int, replicas: int) -> set[int]:
     """On vLLM-cpu, give each TP worker its own share of this machine's cores where vLLM's
     ``auto`` binding would refuse (fewer NUMA nodes than workers) or would bind several replicas'
     workers to the same cores (see ``actors.cpu_binding``). A ``VLLM_CPU_OMP_THREADS_BIND`` set
-    by the user other than ``auto`` is left alone."""
+    by the user other than ``auto`` is left alone. Returns the CPUs the other replicas' workers
+    on this host are bound to (none where vLLM or the user binds)."""
     if tp * replicas <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto" or not _on_cpu():
-        return
+        return set()
     import vllm.utils.cpu_resource_utils as cpus
 
     from actors.cpu_binding import tp_thread_binding
 
-    binding = tp_thread_binding(tp, cpus.get_allowed_cpu_list(), cpus.get_visible_memory_node(), replica, replicas)
-    if binding is not None:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    def binding(r: int) -> str | None:
+        return tp_thread_binding(tp, cpus.get_allowed_cpu_list(), cpus.get_visible_memory_node(), r, replicas)
+
+    own = binding(replica)
+    if own is None:
+        return set()
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = own
+    return {cpu for r in range(replicas) if r != replica for cpu in cpus.parse_id_list(binding(r).replace("|", ","))}
+
+
+def _keep_engine_processes_off_worker_cpus(other_workers: set[int]) -> set[int] | None:
+    """Bind this process and the engine's processes other than its TP workers (the engine core)
+    to the CPUs no worker is bound to (``actors.cpu_binding.engine_process_cpus``); returns them
+    (None: nothing was bound). Called once the engine has started (its workers' threads bound)."""
+    import psutil
+
+    from actors.cpu_binding import engine_process_cpus
+
+    me = psutil.Process()
+    processes = [me, *me.children(recursive=True)]
+    is_worker = {p.pid: p.name().startswith("VLLM::Worker") for p in processes}
+    worker_threads = [t.id for p in processes if is_worker[p.pid] for t in p.threads()]
+    free = engine_process_cpus(os.sched_getaffinity(0), [_affinity(t) for t in worker_threads], other_workers)
+    if free is None:
+        return None
+    for p in processes:
+        if not is_worker[p.pid]:
+            for t in p.threads():
+                with contextlib.suppress(ProcessLookupError):  # a thread that has ended since
+                    os.sched_setaffinity(t.id, free)
+    return free
+
+
+def _affinity(thread_id: int) -> set[int]:
+    try:
+        return os.sched_getaffinity(thread_id)
+    except ProcessLookupError:  # ended since: bound nowhere
+        return set()

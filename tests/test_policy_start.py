@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 
+import psutil
 import pytest
 
-from actors.cpu_binding import tp_thread_binding
+from actors.cpu_binding import engine_process_cpus, tp_thread_binding
 from actors.engine_errors import engine_start_error, is_engine_start_failure, root_cause
 from actors.engine_shm import remove_recorded
 from tests.configs import default_policy_loss, policy_config, sync_config, trainer_config
@@ -55,6 +57,35 @@ def test_replicas_on_one_host_bind_their_workers_to_shares_of_their_own():
     assert [tp_thread_binding(1, eight, [0, 1], r, 2) for r in (0, 1)] == ["0-2", "4-6"]  # not auto's shared node
     with pytest.raises(ValueError, match=r"policy.replicas=3 x policy.tp=1 needs a CPU core for each of its 3"):
         tp_thread_binding(1, two, [0], 0, 3)
+
+
+def test_engine_processes_get_the_cpus_no_worker_computes_on():
+    two, eight = {0, 1}, set(range(8))
+    assert engine_process_cpus(two, [{0}, two, two], set()) == {1}  # this machine: worker on 0, its other threads free
+    assert engine_process_cpus(eight, [{0}, {1}, {2}, {4}, {5}, {6}], set()) == {3, 7}  # tp=2, "0-2|4-6"
+    assert engine_process_cpus(eight, [{0}, {1}], {4, 5}) == {2, 3, 6, 7}  # another replica's workers on 4-5
+
+
+def test_engine_processes_stay_put_where_no_cpu_is_free_or_nothing_is_bound():
+    assert engine_process_cpus({0, 1}, [{0}, {1}], set()) is None  # tp=2 on two cores
+    assert engine_process_cpus({0, 1}, [{0}], {1}) is None  # two replicas on two cores
+    assert engine_process_cpus({0, 1}, [{0, 1}, set()], set()) is None  # "nobind"; a thread that ended
+
+
+def test_the_engine_core_runs_off_the_cores_its_workers_compute_on(policy, policy_tp2, ray_session):
+    allowed = os.sched_getaffinity(0)  # the test's CPUs, which the actors were started with
+    for actor in (policy, policy_tp2):
+        front_end = psutil.Process(ray_session.get(actor.status.remote())["pid"])
+        processes = [front_end, *front_end.children(recursive=True)]
+        workers = [p for p in processes if p.name().startswith("VLLM::Worker")]
+        others = [p for p in processes if p not in workers]
+        assert workers and any(p.name().startswith("VLLM::EngineCore") for p in others)
+        threads = [os.sched_getaffinity(t.id) for w in workers for t in w.threads()]
+        bound = set().union(*(cpus for cpus in threads if cpus < allowed))
+        assert bound, "the workers' threads are bound"
+        on = {frozenset(os.sched_getaffinity(t.id)) for p in others for t in p.threads()}
+        # tp=1 here: its worker on one core, the rest for the engine core; tp=2 on two cores: none left.
+        assert on == {frozenset(allowed - bound or allowed)}
 
 
 def test_more_workers_than_cores_is_refused_with_the_way_out():
