@@ -153,8 +153,8 @@ class Policy:
             raise
         if self.engine_files is not None:
             self.engine_files.started()
-        # The CPUs this process and the engine core run on (None: wherever the OS puts them).
-        self.engine_process_cpus = _keep_engine_processes_off_worker_cpus(other_workers) if _on_cpu() else None
+        if _on_cpu():
+            _keep_engine_processes_off_worker_cpus(other_workers)
         self.redis_url = redis_url
         self.run = run
         self.replica = replica
