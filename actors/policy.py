@@ -498,8 +498,10 @@ def _bind_tp_workers_on_cpu(tp: int, replica: int, replicas: int) -> set[int]:
 
     from actors.cpu_binding import tp_thread_binding
 
+    allowed, numa_nodes = cpus.get_allowed_cpu_list(), cpus.get_visible_memory_node()
+
     def binding(r: int) -> str | None:
-        return tp_thread_binding(tp, cpus.get_allowed_cpu_list(), cpus.get_visible_memory_node(), r, replicas)
+        return tp_thread_binding(tp, allowed, numa_nodes, r, replicas)
 
     own = binding(replica)
     if own is None:
@@ -508,10 +510,10 @@ def _bind_tp_workers_on_cpu(tp: int, replica: int, replicas: int) -> set[int]:
     return {cpu for r in range(replicas) if r != replica for cpu in cpus.parse_id_list(binding(r).replace("|", ","))}
 
 
-def _keep_engine_processes_off_worker_cpus(other_workers: set[int]) -> set[int] | None:
+def _keep_engine_processes_off_worker_cpus(other_workers: set[int]) -> None:
     """Bind this process and the engine's processes other than its TP workers (the engine core)
-    to the CPUs no worker is bound to (``actors.cpu_binding.engine_process_cpus``); returns them
-    (None: nothing was bound). Called once the engine has started (its workers' threads bound)."""
+    to the CPUs no worker is bound to (``actors.cpu_binding.engine_process_cpus``), where there
+    are any. Called once the engine has started (its workers' threads bound)."""
     import psutil
 
     from actors.cpu_binding import engine_process_cpus
@@ -522,13 +524,12 @@ def _keep_engine_processes_off_worker_cpus(other_workers: set[int]) -> set[int] 
     worker_threads = [t.id for p in processes if is_worker[p.pid] for t in p.threads()]
     free = engine_process_cpus(os.sched_getaffinity(0), [_affinity(t) for t in worker_threads], other_workers)
     if free is None:
-        return None
+        return
     for p in processes:
         if not is_worker[p.pid]:
             for t in p.threads():
                 with contextlib.suppress(ProcessLookupError):  # a thread that has ended since
                     os.sched_setaffinity(t.id, free)
-    return free
 
 
 def _affinity(thread_id: int) -> set[int]:
